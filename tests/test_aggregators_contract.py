@@ -3,6 +3,7 @@
 In the manner of scikit-learn's estimator checks: one list of pipelines covering every registered
 component, and one check per property, parametrized over that list. A component added to the
 registry without an entry in RULE_PARAMS / PRE_PARAMS fails ``test_every_component_is_covered``.
+A key ``name/variant`` checks the rule ``name`` once more with other parameters (another code path).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ RULE_PARAMS: dict[str, dict] = {
     "geometric_median": {},
     "centered_clipping": {"tau": 2.0},
     "bulyan": {},
+    "dnc": {"niters": 3, "sub_dim": 20, "seed": 1},
+    "signguard": {},
+    "clipped_clustering": {},
+    "foolsgold": {},
+    "centered_clipping/auto": {"tau": "auto"},
 }
 PRE_PARAMS: dict[str, dict] = {
     "nnm": {},
@@ -35,14 +41,21 @@ PRE_PARAMS: dict[str, dict] = {
 # Rules after a pre-aggregator: one distance-based and one coordinate-wise rule.
 PIPELINES = [(rule, ()) for rule in RULE_PARAMS] + [(rule, (pre,)) for pre in PRE_PARAMS for rule in ("krum", "median")]
 # Properties that hold for some pipelines only.
-TRANSLATION_EQUIVARIANT = {"mean", "median", "trimmed_mean", "krum", "multikrum", "geometric_median", "bulyan"}
+TRANSLATION_EQUIVARIANT = {"mean", "median", "trimmed_mean", "krum", "multikrum", "geometric_median", "bulyan", "dnc"}
 AFFINE_PRES = {"nnm", "bucketing"}  # keep translation equivariance; clipping and ARC do not
 PERMUTATION_DEPENDENT_PRES = {"bucketing"}  # which rows share a bucket depends on the row order
+# Rules whose state (a center, a generator) survives a call; the others must report an empty state.
+STATEFUL = {"centered_clipping", "dnc"}
+
+
+def rule_name(label: str) -> str:
+    """The registered name behind a RULE_PARAMS key (``centered_clipping/auto`` -> ``centered_clipping``)."""
+    return label.split("/")[0]
 
 
 def make(rule: str, pres: tuple[str, ...] = (), f: int = F, **extra) -> aggregators.Aggregator:
     return aggregators.build(
-        rule, f=f, pre=[{"name": p, **PRE_PARAMS[p]} for p in pres], **{**RULE_PARAMS[rule], **extra}
+        rule_name(rule), f=f, pre=[{"name": p, **PRE_PARAMS[p]} for p in pres], **{**RULE_PARAMS[rule], **extra}
     )
 
 
@@ -74,7 +87,7 @@ def backend(request, monkeypatch) -> str:
 
 
 def test_every_component_is_covered():
-    assert set(aggregators.names()) == set(RULE_PARAMS)
+    assert set(aggregators.names()) == {rule_name(label) for label in RULE_PARAMS}
     assert set(aggregators.pre_names()) == set(PRE_PARAMS)
     assert aggregators.names()[:3] == ["mean", "median", "trimmed_mean"]
 
@@ -152,7 +165,7 @@ def test_translation_equivariance(pipeline):
 
 def test_identical_rows_give_that_row(pipeline):
     rule, pres = pipeline
-    if rule == "centered_clipping" or {"clipping", "arc"} & set(pres):
+    if rule_name(rule) == "centered_clipping" or {"clipping", "arc"} & set(pres):
         pytest.skip("clipping shrinks a row towards the center")
     agg = make(*pipeline)
     row = data(1, seed=4)[0]
@@ -161,7 +174,7 @@ def test_identical_rows_give_that_row(pipeline):
 
 
 def test_too_few_rows_raise_naming_rule_n_f_and_requirement(pipeline):
-    rule, _ = pipeline
+    rule = rule_name(pipeline[0])
     agg = make(*pipeline)
     n = agg.min_n()
     agg(data(n))  # the minimum is accepted
@@ -187,7 +200,7 @@ def test_too_few_rows_raise_naming_rule_n_f_and_requirement(pipeline):
     ids=["1d", "3d", "no-rows", "no-columns", "int", "list"],
 )
 def test_invalid_input_raises_value_error_naming_rule(pipeline, bad):
-    rule, _ = pipeline
+    rule = rule_name(pipeline[0])
     with pytest.raises(ValueError, match=rule) as err:
         make(*pipeline)(bad)
     assert f"f={F}" in str(err.value)
@@ -195,7 +208,7 @@ def test_invalid_input_raises_value_error_naming_rule(pipeline, bad):
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_input_raises(pipeline, backend, value):
-    rule, _ = pipeline
+    rule = rule_name(pipeline[0])
     agg = make(*pipeline)
     x = data(sample_size(agg), d=40)
     x[1, 17] = value
@@ -228,8 +241,8 @@ def test_unknown_names_and_parameters_list_the_valid_ones():
 @pytest.mark.parametrize("name", list(RULE_PARAMS))
 def test_negative_or_non_integer_f_raises(name):
     for f in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=rf"{name}: f must be an integer >= 0"):
-            aggregators.build(name, f=f, **RULE_PARAMS[name])
+        with pytest.raises(ValueError, match=rf"{rule_name(name)}: f must be an integer >= 0"):
+            aggregators.build(rule_name(name), f=f, **RULE_PARAMS[name])
 
 
 @pytest.mark.parametrize(
@@ -239,13 +252,24 @@ def test_negative_or_non_integer_f_raises(name):
         ("geometric_median", {"eps": 0.0}),
         ("centered_clipping", {"tau": -1.0}),
         ("centered_clipping", {"tau": float("inf")}),
+        ("centered_clipping", {"tau": "automatic"}),
+        ("centered_clipping", {"tau": "auto", "radius_quantile": 0.0}),
+        ("centered_clipping", {"radius_quantile": 0.5}),
+        ("dnc", {"niters": 0}),
+        ("dnc", {"sub_dim": 0}),
+        ("dnc", {"c": -1.0}),
+        ("dnc", {"seed": -1}),
+        ("signguard", {"lower": 1.5}),
+        ("signguard", {"upper": 0.5}),
+        ("signguard", {"min_gap": -0.1}),
+        ("foolsgold", {"confidence": 0.0}),
         ("multikrum", {"m": 0}),
         ("mean", {"max_weight_fraction": 1.5}),
         ("krum", {"chunk_size": 0}),
     ],
 )
 def test_invalid_parameter_values_raise(name, params):
-    with pytest.raises(ValueError, match=rf"{name}: parameter {next(iter(params))}"):
+    with pytest.raises(ValueError, match=rf"{name}: parameter {list(params)[-1]}"):
         aggregators.build(name, f=1, **params)
 
 
@@ -259,10 +283,18 @@ def test_min_n_of_each_rule():
         "geometric_median": 2 * F + 1,
         "centered_clipping": 2 * F + 1,
         "bulyan": 4 * F + 3,
+        "dnc": 2 * F + 1,
+        "signguard": 2 * F + 1,
+        "clipped_clustering": 2 * F + 1,
+        "foolsgold": 2 * F + 1,
+        "centered_clipping/auto": 2 * F + 1,
     }
     assert {name: make(name).min_n() for name in RULE_PARAMS} == expected
     assert aggregators.build("multikrum", f=1, m=9).min_n() == 9
     assert aggregators.build("mean", max_weight_fraction=0.3).min_n() == 4
+    # DnC drops floor(c * f) rows per iteration and needs one more row than that.
+    assert aggregators.build("dnc", f=2, c=3.0).min_n() == 7
+    assert aggregators.build("dnc", f=2, c=2.4).min_n() == 5
 
 
 def test_min_n_accounts_for_bucketing():
@@ -304,7 +336,7 @@ def test_state_is_empty_for_stateless_pipelines(pipeline):
     agg = make(*pipeline)
     agg(data(sample_size(agg)))
     state = agg.state_dict()
-    stateful = {"centered_clipping"} & {rule} or {"bucketing"} & set(pres)
+    stateful = STATEFUL & {rule_name(rule)} or {"bucketing"} & set(pres)
     assert bool(state) == bool(stateful)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
 

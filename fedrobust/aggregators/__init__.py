@@ -17,6 +17,10 @@ from fedrobust.aggregators import coordinate  # noqa: F401  isort: skip
 from fedrobust.aggregators import distance  # noqa: F401  isort: skip
 from fedrobust.aggregators import geometric  # noqa: F401  isort: skip
 from fedrobust.aggregators import bulyan  # noqa: F401  isort: skip
+from fedrobust.aggregators import dnc  # noqa: F401  isort: skip
+from fedrobust.aggregators import signguard  # noqa: F401  isort: skip
+from fedrobust.aggregators import clustering  # noqa: F401  isort: skip
+from fedrobust.aggregators import foolsgold  # noqa: F401  isort: skip
 from fedrobust.aggregators import pre  # noqa: F401  isort: skip
 from fedrobust.aggregators._registry import build, names, pre_names
 from fedrobust.aggregators.pipeline import Aggregator

@@ -8,6 +8,7 @@ once for the Gram matrix and once for the final combination, however many iterat
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 
 import torch
@@ -86,24 +87,52 @@ class CenteredClipping(Rule):
     starting from the center ``v``. The center is state: zeros before the first call, then the
     previous output. It is exposed by :meth:`state_dict` so a restarted server resumes exactly.
 
+    A fixed ``tau`` has to match the scale of the updates, which shrinks as training converges:
+    ``tau="auto"`` picks the radius in every step from the distances of the rows to the current
+    center instead, as their ``radius_quantile`` quantile (the ``ceil(q * m)``-th smallest distance).
+    The default quantile ``(m - f) / m`` is the largest distance once the ``f`` farthest rows are
+    set aside, so up to ``f`` outliers are clipped to the spread of the others, whatever the scale.
+
     Parameters
     ----------
     f : int
         Number of Byzantine rows (needs ``n >= 2f + 1``).
-    tau : float
-        Clipping radius around the center, in the units of the updates.
+    tau : float or "auto"
+        Clipping radius around the center, in the units of the updates, or ``"auto"``.
     iterations : int
         Clipping steps per call (``L`` in the paper).
+    radius_quantile : float or None
+        With ``tau="auto"``: the quantile in ``(0, 1]`` of the distances used as the radius;
+        ``None`` means ``(m - f) / m``. Not allowed with a numeric ``tau``.
     chunk_size : int or None
         Coordinates per pass.
     """
 
     name = "centered_clipping"
 
-    def __init__(self, f: int = 0, *, tau: float = 10.0, iterations: int = 1, chunk_size: int | None = None) -> None:
+    def __init__(
+        self,
+        f: int = 0,
+        *,
+        tau: float | str = 10.0,
+        iterations: int = 1,
+        radius_quantile: float | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
         super().__init__(f, chunk_size=chunk_size)
-        self.tau = check_float(self.name, "tau", tau)
+        if isinstance(tau, str) and tau != "auto":
+            raise ValueError(f"{self.name}: parameter tau must be a finite number > 0 or 'auto', got {tau!r}")
+        self.tau: float | str = "auto" if tau == "auto" else check_float(self.name, "tau", tau)
         self.iterations = check_int(self.name, "iterations", iterations, minimum=1)
+        if radius_quantile is not None and self.tau != "auto":
+            raise ValueError(
+                f"{self.name}: parameter radius_quantile applies only with tau='auto', got tau={tau!r}"
+            )
+        self.radius_quantile = (
+            None
+            if radius_quantile is None
+            else check_float(self.name, "radius_quantile", radius_quantile, maximum=1.0)
+        )
         self.center: Tensor | None = None
 
     def requirement(self) -> tuple[int, str]:
@@ -128,7 +157,9 @@ class CenteredClipping(Rule):
             coef = rows.basis_coefficients(share)
             coef[center_index] += keep
             dist = rows.sq_distances_to(coef).sqrt()
-            pull = (self.tau / dist).clamp(max=1.0) / rows.m  # dist == 0 gives inf, clamped to 1
+            radius = self._radius(dist)
+            # Rows within the radius count fully; this also covers dist == 0 with an automatic radius of 0.
+            pull = torch.where(dist > radius, radius / dist.clamp(min=torch.finfo(dist.dtype).tiny), 1.0) / rows.m
             total = float(pull.sum())
             share = share * (1.0 - total) + pull
             keep *= 1.0 - total
@@ -137,6 +168,17 @@ class CenteredClipping(Rule):
         out = rows.basis.combine(coef)
         self.center = out.clone()
         return out
+
+    def _radius(self, dist: Tensor) -> Tensor | float:
+        """The clipping radius of one step: ``tau``, or the chosen quantile of ``dist`` with ``tau="auto"``."""
+        if self.tau != "auto":
+            return float(self.tau)
+        m = dist.shape[0]
+        if self.radius_quantile is None:
+            k = m - self.f
+        else:
+            k = math.ceil(self.radius_quantile * m - 1e-9)  # the tolerance absorbs q * m just above an integer
+        return torch.sort(dist).values[min(max(k, 1), m) - 1]
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.center is None else {"center": self.center.clone()}
