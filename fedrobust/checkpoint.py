@@ -20,10 +20,28 @@ the previous checkpoints or the new complete one. Other fsspec filesystems (``me
 The store keeps one linear history: saving round ``r`` first discards any checkpoint of round ``r`` or
 later (left over from a rollback or an earlier run), then commits the new one, then prunes older rounds
 down to the ``keep`` newest. One writer per store directory is supported.
+
+Incremental mode (``full_every=K > 1``) writes a full checkpoint every K saves and *deltas* in between::
+
+    round-000013/
+        delta.safetensors     per tensor: nothing (unchanged), its raw bytes, or the zlib-compressed XOR of its
+                              bytes with the previous checkpoint's (byte planes shuffled); all as uint8
+        delta.json            how each tensor is encoded, with its dtype, shape and size
+        meta.json             the full JSON metadata, as in a full checkpoint
+        manifest.json         format version 2, ``"kind": "delta"`` and the parent's round and manifest sha256
+
+A delta restores its tensors bit for bit from its parent chain; if any link fails verification, the delta
+is invalid and :meth:`CheckpointStore.latest_valid` falls back to the newest checkpoint whose chain verifies
+(the last full one plus the valid deltas before the broken link). Pruning keeps the ancestors of every kept
+checkpoint.
+
+:class:`MirroredStore` writes locally first and uploads every committed checkpoint's files, unchanged, to a
+remote store on a background thread, retrying with bounded backoff; the caller never waits on the network.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -34,10 +52,12 @@ import random
 import re
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+import time
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 import numpy as np
@@ -51,9 +71,15 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "fedrobust.checkpoint"
 FORMAT_VERSION = 1
+# Delta checkpoints get their own version, so a reader that predates them rejects them by name.
+DELTA_FORMAT_VERSION = 2
 TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
+DELTA_FILE = "delta.safetensors"
+DELTA_INDEX_FILE = "delta.json"
+# A chain longer than this is a corrupted parent link (a cycle cannot occur: parents are strictly older).
+_MAX_CHAIN = 10_000
 # The meta key whose value latest_valid() compares with the expected config hash.
 CONFIG_HASH_KEY = "config_hash"
 
@@ -255,16 +281,62 @@ def restore_rng_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, An
         torch.cuda.set_rng_state(tensors[f"cuda/{index}"].cpu(), device=index)
 
 
+class _Raw(NamedTuple):
+    """One tensor as safetensors stores it: dtype name, shape and its raw bytes (a uint8 view, no copy)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Base:
+    """What the writer remembers of its last commit, to encode the next checkpoint as a delta of it."""
+
+    round: int
+    manifest_sha256: str
+    tensors: dict[str, _Raw]
+    deltas_since_full: int
+
+
+@dataclass(frozen=True)
+class CommittedFiles:
+    """The exact files of one committed checkpoint, as handed to a :class:`MirroredStore` uploader.
+
+    Attributes
+    ----------
+    round : int
+        The checkpoint's round.
+    files : tuple[tuple[str, bytes], ...]
+        ``(file name, content)`` pairs, the manifest last.
+    parent : int or None
+        For a delta, the round it is a delta of; None for a full checkpoint.
+    """
+
+    round: int
+    files: tuple[tuple[str, bytes], ...]
+    parent: int | None
+
+
 class CheckpointStore:
     """Round checkpoints in a directory given as a path or fsspec URL.
 
     Parameters
     ----------
     url : str
-        A local path, or an fsspec URL (``memory://runs/a``, ``s3://bucket/run`` once ``s3fs`` is
-        installed). Created if missing.
+        A local path, or an fsspec URL (``memory://runs/a``, ``s3://bucket/run`` with ``s3fs`` installed).
+        Created if missing.
     keep : int, default 3
-        How many of the newest checkpoints to keep; older ones are deleted after a new one is committed.
+        How many of the newest checkpoints to keep; older ones are deleted after a new one is committed,
+        except the checkpoints a kept delta is built on.
+    storage_options : Mapping[str, Any], optional
+        Passed to the fsspec filesystem, e.g. for S3 ``{"key": ..., "secret": ...,
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}``. Credentials and endpoint may also
+        come from the usual environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...).
+    full_every : int, default 1
+        Incremental mode when > 1: every ``full_every``-th save (and the first save of this store object)
+        is a full checkpoint, the saves in between are deltas of the previous checkpoint. 1 writes only
+        full checkpoints.
 
     Notes
     -----
@@ -272,21 +344,40 @@ class CheckpointStore:
     writes are flushed.
     """
 
-    def __init__(self, url: str, *, keep: int = 3) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep: int = 3,
+        storage_options: Mapping[str, Any] | None = None,
+        full_every: int = 1,
+        _create: bool = True,
+    ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be an integer >= 1 (1 = no deltas), got {full_every!r}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a mapping, got {type(storage_options).__name__}")
         self.url = url
         self.keep = keep
-        self._fs, root = fsspec.core.url_to_fs(url)
+        self.full_every = full_every
+        self._fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         self._root = root.rstrip("/") or "/"
         self._local = isinstance(self._fs, LocalFileSystem)
-        self._fs.makedirs(self._root, exist_ok=True)
+        if _create:
+            # Object stores have no directories; for them this only checks (or creates) the bucket.
+            self._fs.makedirs(self._root, exist_ok=True)
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[str] | None = None
+        self._base: _Base | None = None
+        # Called on the writing thread after every commit; MirroredStore queues the upload here.
+        self._on_commit: Callable[[CommittedFiles], None] | None = None
 
     def __repr__(self) -> str:
-        return f"CheckpointStore({self.url!r}, keep={self.keep})"
+        extra = f", full_every={self.full_every}" if self.full_every > 1 else ""
+        return f"CheckpointStore({self.url!r}, keep={self.keep}{extra})"
 
     def __enter__(self) -> CheckpointStore:
         return self
@@ -328,7 +419,7 @@ class CheckpointStore:
     def save_async(
         self, round: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
     ) -> Future[str]:
-        """Like :meth:`save`, but hashing and file I/O run on a background thread.
+        """Like :meth:`save`, but hashing, delta encoding and file I/O run on a background thread.
 
         The tensors and meta are serialized on the caller's thread before this returns, so later in-place
         changes to them do not reach the checkpoint. Writes are committed in call order; at most one is in
@@ -385,38 +476,80 @@ class CheckpointStore:
             self._pending = None
 
     def _write(self, payload: _Payload) -> str:
-        name = _round_name(payload.round)
-        files = [(TENSORS_FILE, payload.tensors), (META_FILE, payload.meta)]
-        manifest = {
+        base = self._base
+        # Forget the base until this write commits: after a failed write the next one is a full checkpoint.
+        self._base = None
+        as_delta = (
+            self.full_every > 1
+            and base is not None
+            and base.round < payload.round
+            and base.deltas_since_full < self.full_every - 1
+        )
+        new_tensors = _parse_safetensors(payload.tensors) if self.full_every > 1 else {}
+        manifest: dict[str, Any] = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
             "round": payload.round,
             "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "files": {fname: {"size": len(data), "sha256": _sha256(data)} for fname, data in files},
         }
-        files.append((MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")))
+        if as_delta:
+            assert base is not None
+            delta_bytes, index = _encode_delta(new_tensors, base.tensors)
+            files = [
+                (DELTA_FILE, delta_bytes),
+                (DELTA_INDEX_FILE, json.dumps(index, sort_keys=True).encode("utf-8")),
+                (META_FILE, payload.meta),
+            ]
+            manifest |= {
+                "format_version": DELTA_FORMAT_VERSION,
+                "kind": "delta",
+                "parent": {"round": base.round, "manifest_sha256": base.manifest_sha256},
+            }
+        else:
+            files = [(TENSORS_FILE, payload.tensors), (META_FILE, payload.meta)]
+            manifest["format_version"] = FORMAT_VERSION
+        manifest["files"] = {fname: {"size": len(data), "sha256": _sha256(data)} for fname, data in files}
+        manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
+        files.append((MANIFEST_FILE, manifest_bytes))
 
+        location = self._commit_files(payload.round, files)
+        if self.full_every > 1:
+            self._base = _Base(
+                round=payload.round,
+                manifest_sha256=_sha256(manifest_bytes),
+                tensors=new_tensors,
+                deltas_since_full=base.deltas_since_full + 1 if as_delta and base is not None else 0,
+            )
+        if self._on_commit is not None:
+            parent = base.round if as_delta and base is not None else None
+            self._on_commit(CommittedFiles(round=payload.round, files=tuple(files), parent=parent))
+        return location
+
+    def _commit_files(self, round_: int, files: Sequence[tuple[str, bytes]]) -> str:
+        """Discard rounds >= ``round_``, commit ``files`` (manifest last) as its checkpoint, prune."""
+        name = _round_name(round_)
         if self._local:
             self._remove_leftovers()
         for old_round, old_name in self._list_round_dirs():
-            if old_round >= payload.round:
-                logger.info("discarding checkpoint of round %d (saving round %d)", old_round, payload.round)
+            if old_round >= round_:
+                logger.info("discarding checkpoint of round %d (saving round %d)", old_round, round_)
                 self._remove(old_name)
 
         final = self._join(name)
         if self._local:
             self._commit_local(name, files)
         else:
-            # No atomic rename here: the manifest, written last, is the commit marker.
+            # No atomic rename on an object store: every object PUT is atomic on its own, and the manifest,
+            # written last, is the commit marker; readers verify every checksum before trusting it.
             self._fs.makedirs(final, exist_ok=True)
-            for fname, data in files:
+            ordered = sorted(files, key=lambda item: item[0] == MANIFEST_FILE)
+            for fname, data in ordered:
                 self._fs.pipe_file(self._join(name, fname), data)
         location = self._display(final)
-        logger.debug("committed checkpoint of round %d at %s", payload.round, location)
-        self._prune(payload.round)
+        logger.debug("committed checkpoint of round %d at %s", round_, location)
+        self._prune(round_)
         return location
 
-    def _commit_local(self, name: str, files: list[tuple[str, bytes]]) -> None:
+    def _commit_local(self, name: str, files: Sequence[tuple[str, bytes]]) -> None:
         tmp = self._join(f"{_TMP_PREFIX}{name}-{os.getpid()}")
         if os.path.lexists(tmp):
             shutil.rmtree(tmp)
@@ -433,14 +566,35 @@ class CheckpointStore:
         _fsync_dir(self._root)
 
     def _prune(self, newest: int) -> None:
-        older = [(r, name) for r, name in self._list_round_dirs() if r < newest]
+        listed = self._list_round_dirs()
+        older = [(r, name) for r, name in listed if r < newest]
         committed = [(r, name) for r, name in older if self._fs.exists(self._join(name, MANIFEST_FILE))]
         # Uncommitted directories (interrupted writes on non-local filesystems) never count as kept.
-        survivors = {name for _, name in sorted(committed, reverse=True)[: self.keep - 1]}
+        kept = [r for r, _ in sorted(committed, reverse=True)[: self.keep - 1]] + [newest]
+        needed = self._with_ancestors(kept, {r for r, _ in committed})
         for old_round, old_name in older:
-            if old_name not in survivors:
+            if old_round not in needed:
                 logger.debug("pruning checkpoint of round %d", old_round)
                 self._remove(old_name)
+
+    def _with_ancestors(self, rounds: Sequence[int], existing: set[int]) -> set[int]:
+        """``rounds`` plus every existing checkpoint a delta among them is (transitively) built on."""
+        needed: set[int] = set()
+        todo = list(rounds)
+        while todo:
+            round_ = todo.pop()
+            if round_ in needed:
+                continue
+            needed.add(round_)
+            try:
+                manifest = json.loads(self._fs.cat_file(self._join(_round_name(round_), MANIFEST_FILE)))
+                parent = manifest.get("parent") if manifest.get("kind") == "delta" else None
+            except (OSError, ValueError, AttributeError):
+                continue  # unreadable: it is no valid delta, so it needs no parent
+            parent_round = parent.get("round") if isinstance(parent, dict) else None
+            if isinstance(parent_round, int) and parent_round < round_ and parent_round in existing:
+                todo.append(parent_round)
+        return needed
 
     def _remove(self, name: str) -> None:
         path = self._join(name)
@@ -457,7 +611,8 @@ class CheckpointStore:
             manifest = self._join(name, MANIFEST_FILE)
             if self._fs.exists(manifest):
                 self._fs.rm_file(manifest)
-            self._fs.rm(path, recursive=True)
+            with contextlib.suppress(FileNotFoundError):
+                self._fs.rm(path, recursive=True)
 
     def _remove_leftovers(self) -> None:
         """Delete temp/trash directories of writers that no longer run (crashed mid-write)."""
@@ -478,8 +633,9 @@ class CheckpointStore:
         """Load the newest checkpoint that passes verification.
 
         Checkpoints are tried newest first. One without a manifest (a write that never finished), with a
-        file whose size or sha256 differs from the manifest, or whose JSON or safetensors fail to parse
-        is logged at WARNING with the reason and skipped in favour of the previous one.
+        file whose size or sha256 differs from the manifest, whose JSON or safetensors fail to parse, or
+        (a delta) whose chain of parents back to a full checkpoint does not verify is logged at WARNING
+        with the reason and skipped in favour of the previous one.
 
         Parameters
         ----------
@@ -501,29 +657,62 @@ class CheckpointStore:
             Older checkpoints are not searched for a matching hash: they belong to the same history.
         """
         for round_, name in sorted(self._list_round_dirs(), reverse=True):
-            try:
-                checkpoint = self._load_verified(round_, name)
-            except (_InvalidCheckpoint, OSError, ValueError, SafetensorError) as exc:
-                logger.warning("skipping checkpoint %s: %s", self._display(self._join(name)), exc)
-                continue
-            if config_hash is not None:
-                saved_hash = checkpoint.meta.get(CONFIG_HASH_KEY)
-                if saved_hash != config_hash:
-                    message = (
-                        f"checkpoint {checkpoint.path} (round {round_}) was saved with config hash "
-                        f"{saved_hash!r}, but the current config hashes to {config_hash!r}"
-                    )
-                    if not force:
-                        raise CheckpointMismatchError(
-                            f"{message}. Resume with the original config, point the checkpoint directory "
-                            "elsewhere, or force the resume (latest_valid(..., force=True); "
-                            "checkpoint.force_resume=true in the run config)."
-                        )
-                    logger.warning("%s; loading it anyway (force=True)", message)
-            return checkpoint
+            checkpoint = self._try_load(round_, name)
+            if checkpoint is not None:
+                return _check_config_hash(checkpoint, config_hash, force)
         return None
 
+    def _try_load(self, round_: int, name: str) -> Checkpoint | None:
+        try:
+            return self._load_verified(round_, name)
+        except (_InvalidCheckpoint, OSError, ValueError, SafetensorError) as exc:
+            logger.warning("skipping checkpoint %s: %s", self._display(self._join(name)), exc)
+            return None
+
     def _load_verified(self, round_: int, name: str) -> Checkpoint:
+        manifest, _, contents = self._read_verified(round_, name)
+        meta_doc = json.loads(contents[META_FILE])
+        if not isinstance(meta_doc, dict) or not isinstance(meta_doc.get("meta"), dict):
+            raise _InvalidCheckpoint("meta.json has no 'meta' object")
+        if manifest.get("kind", "full") == "full":
+            tensors = load_safetensors(contents[TENSORS_FILE])
+        else:
+            tensors = load_safetensors(_build_safetensors(self._delta_state(round_, manifest, contents)))
+        path = self._display(self._join(name))
+        return Checkpoint(round=round_, tensors=tensors, meta=meta_doc["meta"], path=path)
+
+    def _state(self, round_: int, depth: int) -> tuple[dict[str, _Raw], str]:
+        """Raw tensors of a checkpoint (following a delta's chain) and the sha256 of its manifest."""
+        manifest, manifest_sha, contents = self._read_verified(round_, _round_name(round_))
+        if manifest.get("kind", "full") == "full":
+            return _parse_safetensors(contents[TENSORS_FILE]), manifest_sha
+        return self._delta_state(round_, manifest, contents, depth), manifest_sha
+
+    def _delta_state(
+        self, round_: int, manifest: dict[str, Any], contents: dict[str, bytes], depth: int = 0
+    ) -> dict[str, _Raw]:
+        parent = manifest.get("parent")
+        parent_round = parent.get("round") if isinstance(parent, dict) else None
+        if not isinstance(parent_round, int) or isinstance(parent_round, bool) or not parent_round < round_:
+            raise _InvalidCheckpoint(f"delta has no valid parent round (got {parent!r})")
+        if depth > _MAX_CHAIN:
+            raise _InvalidCheckpoint("delta chain is too long")
+        try:
+            base, base_sha = self._state(parent_round, depth + 1)
+        except (_InvalidCheckpoint, OSError, ValueError, SafetensorError) as exc:
+            raise _InvalidCheckpoint(f"delta of round {parent_round}, which is not loadable ({exc})") from None
+        if base_sha != parent.get("manifest_sha256"):
+            raise _InvalidCheckpoint(
+                f"delta of round {parent_round}, but that checkpoint was replaced after this delta was written"
+            )
+        try:
+            index = json.loads(contents[DELTA_INDEX_FILE])
+            return _apply_delta(base, _parse_safetensors(contents[DELTA_FILE]), index)
+        except (KeyError, TypeError, AttributeError, zlib.error) as exc:
+            raise _InvalidCheckpoint(f"delta does not apply to round {parent_round}: {exc!r}") from None
+
+    def _read_verified(self, round_: int, name: str) -> tuple[dict[str, Any], str, dict[str, bytes]]:
+        """Manifest, its sha256, and the content of every file it lists, all sizes and checksums checked."""
         try:
             raw_manifest = self._fs.cat_file(self._join(name, MANIFEST_FILE))
         except FileNotFoundError:
@@ -531,18 +720,24 @@ class CheckpointStore:
         manifest = json.loads(raw_manifest)
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise _InvalidCheckpoint("manifest.json is not a fedrobust checkpoint manifest")
-        if manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version")
+        kind = manifest.get("kind", "full")
+        expected_files = {
+            (FORMAT_VERSION, "full"): {TENSORS_FILE, META_FILE},
+            (DELTA_FORMAT_VERSION, "delta"): {DELTA_FILE, DELTA_INDEX_FILE, META_FILE},
+        }.get((version, kind))
+        if expected_files is None:
             raise _InvalidCheckpoint(
-                f"format version {manifest.get('format_version')!r} is not supported "
-                f"(this version reads {FORMAT_VERSION})"
+                f"format version {version!r} of kind {kind!r} is not supported "
+                f"(this version reads {FORMAT_VERSION} (full) and {DELTA_FORMAT_VERSION} (delta))"
             )
         if manifest.get("round") != round_:
             raise _InvalidCheckpoint(
                 f"manifest says round {manifest.get('round')!r}, directory says {round_}"
             )
         entries = manifest.get("files")
-        if not isinstance(entries, dict) or set(entries) != {TENSORS_FILE, META_FILE}:
-            raise _InvalidCheckpoint(f"manifest must list exactly {TENSORS_FILE} and {META_FILE}")
+        if not isinstance(entries, dict) or set(entries) != expected_files:
+            raise _InvalidCheckpoint(f"manifest must list exactly {sorted(expected_files)}")
 
         contents: dict[str, bytes] = {}
         for fname, entry in entries.items():
@@ -559,19 +754,21 @@ class CheckpointStore:
             if _sha256(data) != entry.get("sha256"):
                 raise _InvalidCheckpoint(f"{fname} sha256 differs from the manifest (corrupted)")
             contents[fname] = data
-
-        meta_doc = json.loads(contents[META_FILE])
-        if not isinstance(meta_doc, dict) or not isinstance(meta_doc.get("meta"), dict):
-            raise _InvalidCheckpoint("meta.json has no 'meta' object")
-        tensors = load_safetensors(contents[TENSORS_FILE])
-        path = self._display(self._join(name))
-        return Checkpoint(round=round_, tensors=tensors, meta=meta_doc["meta"], path=path)
+        return manifest, _sha256(raw_manifest), contents
 
     # ----------------------------------------------------------------------------------------- paths
     def _list_round_dirs(self) -> list[tuple[int, str]]:
         """(round, directory name) of every ``round-*`` directory, committed or not."""
+        if not self._local:
+            # Object-store listings are cached by fsspec; another process (or a crashed one) may have
+            # changed the store since.
+            self._fs.invalidate_cache(self._root)
+        try:
+            listing = self._fs.ls(self._root, detail=True)
+        except FileNotFoundError:
+            return []  # an object-store prefix with no objects under it yet
         found = []
-        for info in self._fs.ls(self._root, detail=True):
+        for info in listing:
             name = info["name"].rstrip("/").rsplit("/", 1)[-1]
             match = _ROUND_DIR.match(name)
             if match and info.get("type") == "directory":
@@ -585,6 +782,25 @@ class CheckpointStore:
 
     def _display(self, path: str) -> str:
         return path if self._local else self._fs.unstrip_protocol(path)
+
+
+def _check_config_hash(checkpoint: Checkpoint, config_hash: str | None, force: bool) -> Checkpoint:
+    if config_hash is None:
+        return checkpoint
+    saved_hash = checkpoint.meta.get(CONFIG_HASH_KEY)
+    if saved_hash != config_hash:
+        message = (
+            f"checkpoint {checkpoint.path} (round {checkpoint.round}) was saved with config hash "
+            f"{saved_hash!r}, but the current config hashes to {config_hash!r}"
+        )
+        if not force:
+            raise CheckpointMismatchError(
+                f"{message}. Resume with the original config, point the checkpoint directory "
+                "elsewhere, or force the resume (latest_valid(..., force=True); "
+                "checkpoint.force_resume=true in the run config)."
+            )
+        logger.warning("%s; loading it anyway (force=True)", message)
+    return checkpoint
 
 
 def _serialize(round: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> _Payload:
@@ -651,3 +867,365 @@ def _log_failure(future: Future[str]) -> None:
     exc = future.exception()
     if exc is not None:
         logger.error("background checkpoint write failed", exc_info=exc)
+
+
+# --------------------------------------------------------------------------------------------- deltas
+def _parse_safetensors(data: bytes) -> dict[str, _Raw]:
+    """Views of every tensor's raw bytes in a safetensors blob (no copy; the blob must stay alive)."""
+    try:
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_len])
+        buffer = np.frombuffer(data, dtype=np.uint8)
+        start = 8 + header_len
+        out: dict[str, _Raw] = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            if not 0 <= begin <= end <= len(data) - start:
+                raise ValueError(f"offsets of {key!r} lie outside the data")
+            shape = tuple(int(d) for d in info["shape"])
+            out[key] = _Raw(str(info["dtype"]), shape, buffer[start + begin : start + end])
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise _InvalidCheckpoint(f"malformed safetensors data: {exc!r}") from None
+    return out
+
+
+def _build_safetensors(tensors: Mapping[str, _Raw]) -> bytes:
+    """The safetensors blob of raw tensors (the inverse of :func:`_parse_safetensors`)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for key in sorted(tensors):
+        raw = tensors[key]
+        header[key] = {"dtype": raw.dtype, "shape": list(raw.shape), "data_offsets": [offset, offset + raw.data.size]}
+        offset += raw.data.size
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data to 8 bytes
+    body = [len(header_bytes).to_bytes(8, "little"), header_bytes]
+    body += [tensors[key].data.tobytes() for key in sorted(tensors)]
+    return b"".join(body)
+
+
+def _shuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
+    # Byte planes (all first bytes, then all second bytes, ...): the XOR of two close floats has zero sign,
+    # exponent and high-mantissa bytes, which zlib then compresses to almost nothing.
+    return data.reshape(-1, itemsize).T.reshape(-1) if itemsize > 1 else data
+
+
+def _unshuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
+    return data.reshape(itemsize, -1).T.reshape(-1) if itemsize > 1 else data
+
+
+def _encode_delta(new: Mapping[str, _Raw], base: Mapping[str, _Raw]) -> tuple[bytes, dict[str, Any]]:
+    """Encode ``new`` against ``base``: per tensor "same", "xor" (zlib of the shuffled XOR) or "full".
+
+    Every encoding restores the exact bytes; "xor" is used only where it is smaller than the raw bytes.
+    """
+    stored: dict[str, _Raw] = {}
+    index: dict[str, Any] = {}
+    for key in sorted(new):
+        raw = new[key]
+        entry: dict[str, Any] = {"dtype": raw.dtype, "shape": list(raw.shape), "nbytes": int(raw.data.size)}
+        old = base.get(key)
+        numel = int(np.prod(raw.shape, dtype=np.int64))
+        if old is not None and old.dtype == raw.dtype and old.shape == raw.shape and old.data.size == raw.data.size:
+            if np.array_equal(old.data, raw.data):
+                index[key] = entry | {"op": "same"}
+                continue
+            itemsize = raw.data.size // numel
+            packed = zlib.compress(_shuffle(np.bitwise_xor(old.data, raw.data), itemsize), 1)
+            if len(packed) < raw.data.size:
+                stored[key] = _Raw("U8", (len(packed),), np.frombuffer(packed, dtype=np.uint8))
+                index[key] = entry | {"op": "xor", "codec": "zlib", "itemsize": itemsize}
+                continue
+        stored[key] = _Raw("U8", (raw.data.size,), raw.data)
+        index[key] = entry | {"op": "full"}
+    return _build_safetensors(stored), {"tensors": index}
+
+
+def _apply_delta(base: Mapping[str, _Raw], stored: Mapping[str, _Raw], index: Any) -> dict[str, _Raw]:
+    """Inverse of :func:`_encode_delta`; raises KeyError/TypeError/zlib.error/_InvalidCheckpoint on bad input."""
+    out: dict[str, _Raw] = {}
+    for key, entry in index["tensors"].items():
+        op, nbytes = entry["op"], int(entry["nbytes"])
+        shape = tuple(int(d) for d in entry["shape"])
+        if op == "same":
+            data = base[key].data
+        elif op == "full":
+            data = stored[key].data
+        elif op == "xor":
+            itemsize = int(entry["itemsize"])
+            xor = np.frombuffer(zlib.decompress(stored[key].data.tobytes()), dtype=np.uint8)
+            if xor.size != nbytes or base[key].data.size != nbytes:
+                raise _InvalidCheckpoint(f"delta of {key!r} has {xor.size} bytes, expected {nbytes}")
+            data = np.bitwise_xor(base[key].data, _unshuffle(xor, itemsize))
+        else:
+            raise _InvalidCheckpoint(f"unknown delta op {op!r} for {key!r}")
+        if data.size != nbytes:
+            raise _InvalidCheckpoint(f"{key!r} restores to {data.size} bytes, expected {nbytes}")
+        out[key] = _Raw(str(entry["dtype"]), shape, data)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- mirror
+class MirroredStore:
+    """Checkpoints written to a local store first, then uploaded to a remote one in the background.
+
+    A save costs what a local save costs: once the local checkpoint is committed, its files are queued
+    for upload and a background thread copies them, unchanged (manifest last), to the remote store. A failed
+    upload is logged and retried with exponential backoff (bounded by ``max_backoff``) until it succeeds, a
+    newer checkpoint supersedes it, or the store is closed; it never raises into the caller. When uploads
+    fall behind, only the newest checkpoint (and, for a delta, the chain it needs) is uploaded.
+
+    Parameters
+    ----------
+    local : str
+        Local directory (or any fsspec URL) written first.
+    remote : str
+        fsspec URL of the mirror, e.g. ``s3://bucket/run``.
+    keep : int, default 3
+        Retention of both stores (see :class:`CheckpointStore`).
+    full_every : int, default 1
+        Incremental mode of the local store; the remote receives the same full and delta checkpoints.
+    storage_options : Mapping[str, Any], optional
+        fsspec options of the remote store (endpoint, credentials).
+    initial_backoff, max_backoff : float, default 0.5 and 30.0
+        Seconds before the first retry of a failed upload, and the cap of the doubling delay.
+
+    Notes
+    -----
+    :meth:`latest_valid` loads the newest checkpoint that verifies in either place (the local one on a tie),
+    so a run resumes from the remote copy when the local disk was lost.
+    """
+
+    def __init__(
+        self,
+        local: str,
+        remote: str,
+        *,
+        keep: int = 3,
+        full_every: int = 1,
+        storage_options: Mapping[str, Any] | None = None,
+        initial_backoff: float = 0.5,
+        max_backoff: float = 30.0,
+    ) -> None:
+        if not 0 < initial_backoff <= max_backoff:
+            raise ValueError(
+                f"need 0 < initial_backoff <= max_backoff, got {initial_backoff!r} and {max_backoff!r}"
+            )
+        self.local = CheckpointStore(local, keep=keep, full_every=full_every)
+        # No network at construction (an unreachable mirror must not stop the run): the bucket must exist.
+        self.remote = CheckpointStore(remote, keep=keep, storage_options=storage_options, _create=False)
+        self.initial_backoff = initial_backoff
+        self.max_backoff = max_backoff
+        self._cond = threading.Condition()
+        self._queue: dict[int, CommittedFiles] = {}
+        self._busy = False
+        self._closing = False
+        self._failures = 0
+        self._thread: threading.Thread | None = None
+        self.local._on_commit = self._enqueue
+
+    def __repr__(self) -> str:
+        return f"MirroredStore({self.local.url!r}, {self.remote.url!r}, keep={self.local.keep})"
+
+    def __enter__(self) -> MirroredStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def keep(self) -> int:
+        return self.local.keep
+
+    # ----------------------------------------------------------------------------------------- writing
+    def save(self, round: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str:
+        """Commit locally (see :meth:`CheckpointStore.save`) and queue the upload; returns the local path."""
+        return self.local.save(round, tensors, meta)
+
+    def save_async(
+        self, round: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
+    ) -> Future[str]:
+        """Like :meth:`CheckpointStore.save_async` on the local store; the upload follows the local commit."""
+        return self.local.save_async(round, tensors, meta)
+
+    def wait(self) -> str | None:
+        """Block until the pending local write is committed (uploads are not waited for: see :meth:`flush`)."""
+        return self.local.wait()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the local write and then for the upload queue to drain.
+
+        Returns
+        -------
+        bool
+            True if every committed checkpoint was uploaded (or superseded) within ``timeout`` seconds.
+        """
+        self.local.wait()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, upload_timeout: float | None = 60.0) -> None:
+        """Flush the local write, give uploads up to ``upload_timeout`` seconds, stop the upload thread.
+
+        Checkpoints still not uploaded then are logged at WARNING; they remain in the local store.
+        """
+        try:
+            self.local.close()
+        finally:
+            if not self.flush(upload_timeout):
+                with self._cond:
+                    left = sorted(self._queue)
+                logger.warning(
+                    "closing the mirror with checkpoint(s) of round(s) %s not uploaded to %s", left, self.remote.url
+                )
+            with self._cond:
+                self._closing = True
+                self._queue.clear()
+                self._cond.notify_all()
+                thread, self._thread = self._thread, None
+            if thread is not None:
+                thread.join()
+            with self._cond:
+                self._closing = False
+
+    def _enqueue(self, committed: CommittedFiles) -> None:
+        with self._cond:
+            # A save of round r discarded every local checkpoint >= r: their uploads are void.
+            for round_ in [r for r in self._queue if r >= committed.round]:
+                del self._queue[round_]
+            self._queue[committed.round] = committed
+            # Only the newest checkpoint and the chain of deltas it is built on are worth uploading.
+            needed: set[int] = set()
+            item: CommittedFiles | None = committed
+            while item is not None:
+                needed.add(item.round)
+                item = self._queue.get(item.parent) if item.parent is not None else None
+            for round_ in [r for r in self._queue if r not in needed]:
+                logger.debug("upload of round %d superseded by round %d", round_, committed.round)
+                del self._queue[round_]
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._upload_loop, name="fedrobust-mirror", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _upload_loop(self) -> None:
+        attempts: dict[int, int] = {}
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                round_ = min(self._queue)  # oldest first: a delta's parent goes up before the delta
+                item = self._queue[round_]
+                self._busy = True
+            try:
+                self.remote._commit_files(item.round, item.files)
+                error: Exception | None = None
+            except Exception as exc:  # noqa: BLE001 - any failure of the mirror is retried, never raised
+                error = exc
+            with self._cond:
+                self._busy = False
+                if error is None:
+                    attempts.pop(round_, None)
+                    if self._queue.get(round_) is item:
+                        del self._queue[round_]
+                    logger.debug("uploaded checkpoint of round %d to %s", round_, self.remote.url)
+                else:
+                    self._failures += 1
+                    attempts[round_] = attempts.get(round_, 0) + 1
+                    delay = min(self.initial_backoff * 2 ** (attempts[round_] - 1), self.max_backoff)
+                    logger.warning(
+                        "upload of checkpoint round %d to %s failed (attempt %d): %s; retrying in %.3g s",
+                        round_,
+                        self.remote.url,
+                        attempts[round_],
+                        error,
+                        delay,
+                    )
+                    # Woken early by close() or by a newer checkpoint (which may supersede this one).
+                    self._cond.wait(delay)
+                self._cond.notify_all()
+
+    @property
+    def upload_failures(self) -> int:
+        """How many upload attempts have failed so far (each was logged and retried)."""
+        with self._cond:
+            return self._failures
+
+    # ----------------------------------------------------------------------------------------- reading
+    def rounds(self) -> list[int]:
+        """Rounds committed in either place, oldest first (checksums are not verified here)."""
+        return sorted(set(self.local.rounds()) | set(self._remote_rounds()))
+
+    def _remote_rounds(self) -> list[int]:
+        try:
+            return self.remote.rounds()
+        except Exception as exc:  # noqa: BLE001 - botocore's connection errors are no OSError
+            logger.warning("cannot list the mirror %s: %s", self.remote.url, exc)
+            return []
+
+    def latest_valid(self, config_hash: str | None = None, *, force: bool = False) -> Checkpoint | None:
+        """Load the newest checkpoint that verifies in either store (see :meth:`CheckpointStore.latest_valid`).
+
+        An unreachable remote is logged at WARNING and only the local store is searched.
+        """
+        candidates: list[tuple[int, int, CheckpointStore, str]] = []
+        for preference, store in ((1, self.local), (0, self.remote)):
+            try:
+                listed = store._list_round_dirs()
+            except Exception as exc:  # noqa: BLE001 - botocore's connection errors are no OSError
+                logger.warning("cannot list %s: %s", store.url, exc)
+                continue
+            candidates += [(round_, preference, store, name) for round_, name in listed]
+        for round_, _, store, name in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
+            try:
+                checkpoint = store._try_load(round_, name)
+            except Exception as exc:  # noqa: BLE001 - an unreachable mirror is a skipped candidate
+                logger.warning("cannot load %s from %s: %s", name, store.url, exc)
+                continue
+            if checkpoint is not None:
+                return _check_config_hash(checkpoint, config_hash, force)
+        return None
+
+
+def open_store(
+    url: str,
+    *,
+    keep: int = 3,
+    full_every: int = 1,
+    storage_options: Mapping[str, Any] | None = None,
+    mirror: str | None = None,
+    mirror_storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointStore | MirroredStore:
+    """Build the checkpoint store a run configuration asks for.
+
+    Parameters
+    ----------
+    url : str
+        Where checkpoints are written first (a local directory, or any fsspec URL).
+    keep, full_every, storage_options
+        See :class:`CheckpointStore` (``storage_options`` apply to ``url``).
+    mirror : str, optional
+        fsspec URL uploaded to in the background (see :class:`MirroredStore`); ``url`` must then be local.
+    mirror_storage_options : Mapping[str, Any], optional
+        fsspec options of the mirror.
+
+    Returns
+    -------
+    CheckpointStore or MirroredStore
+        Both offer ``save``, ``save_async``, ``wait``, ``close``, ``rounds`` and ``latest_valid``.
+    """
+    if mirror is None:
+        return CheckpointStore(url, keep=keep, full_every=full_every, storage_options=storage_options)
+    if storage_options:
+        raise ValueError("with a mirror, the first store is local: pass the remote's options as mirror_storage_options")
+    return MirroredStore(url, mirror, keep=keep, full_every=full_every, storage_options=mirror_storage_options)
