@@ -1,8 +1,9 @@
-"""Flower ClientApp: local training on the node's partition, replying with the update.
+"""fedrobust's own ClientApp: local training on the node's partition, replying with the update.
 
 Node config (``--node-config`` on a SuperNode; set by the simulation engine):
 ``partition-id``, ``num-partitions``, optionally ``device`` (``auto``/``cpu``/``cuda``),
 ``signing-key`` (deployment) and, for a Byzantine test node in deployment, ``attack``.
+Replies are signed by the same :func:`fedrobust.signing_mod` any ClientApp can use.
 
 On a SuperNode every message starts a fresh ClientApp process that imports this
 module. The hello query goes to every node at once and needs nothing but the node
@@ -22,13 +23,14 @@ from typing import TYPE_CHECKING
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedrobust import protocol
+from fedrobust import protocol, signing
+from fedrobust.clients.signing_mod import node_config_key, signing_mod
 from fedrobust.config import RunConfig, from_flat
 
 if TYPE_CHECKING:
     import torch
 
-    from clients.byzantine import Adversary
+    from fedrobust.clients.byzantine import Adversary
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +109,19 @@ def local_update(
 
 def make_client_app(cfg: RunConfig | None = None) -> ClientApp:
     """A ClientApp for ``cfg`` (or, when None, the run config Flower passes in)."""
-    app = ClientApp()
 
     def settings(context: Context) -> RunConfig:
         return cfg if cfg is not None else from_flat(context.run_config)
+
+    def key_for(context: Context) -> signing.Ed25519PrivateKey | None:
+        """The node's key file (deployment), else in simulation with signing on the per-run derived key."""
+        key = node_config_key(context)
+        run_cfg = settings(context)
+        if key is None and run_cfg.signing.require and not run_cfg.signing.trust_dir:
+            key = signing.derive_keypair(run_cfg.seed, _partition(run_cfg, context)[0])[0]
+        return key
+
+    app = ClientApp(mods=[signing_mod(key_for)])
 
     @app.query()
     def hello(msg: Message, context: Context) -> Message:
@@ -120,12 +131,11 @@ def make_client_app(cfg: RunConfig | None = None) -> ClientApp:
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        from clients.byzantine import adversary_for
-        from clients.signer import private_key_for, signature_record
         from fedrobust import training
+        from fedrobust.clients.byzantine import adversary_for
 
         run_cfg = settings(context)
-        server_round = int(msg.content[protocol.CONFIG][protocol.ROUND])
+        server_round = int(msg.content[protocol.CONFIG][protocol.SERVER_ROUND])
         global_state = dict(msg.content[protocol.ARRAYS].to_torch_state_dict())
         pid, _ = _partition(run_cfg, context)
         adversary = adversary_for(run_cfg, context, pid)
@@ -139,9 +149,6 @@ def make_client_app(cfg: RunConfig | None = None) -> ClientApp:
             protocol.UPDATE: ArrayRecord(update),
             protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: num_examples, **metrics}),
         }
-        key = private_key_for(run_cfg, context, pid)
-        if key is not None:
-            records[protocol.SIGNATURE] = signature_record(key, msg, context, update, num_examples)
         return Message(RecordDict(records), reply_to=msg)
 
     @app.evaluate()

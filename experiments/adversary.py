@@ -15,7 +15,7 @@ from fedrobust import attacks
 from fedrobust.config import RunConfig
 from fedrobust.tensors import flatten, float_keys, unflatten
 from fedrobust.training import derive_seed
-from strategies.robust_strategy import ClientUpdate, UpdateHook
+from fedrobust.strategies.robust_strategy import ClientUpdate, UpdateHook
 
 
 def omniscient_hook(cfg: RunConfig) -> UpdateHook | None:

@@ -7,11 +7,11 @@ small runs (``experiments/study.py``), where Flower's simulation start-up
 (~20 s per run) would cost more than the training itself.
 
 **What is the same.** :func:`run_inprocess` calls the same
-:func:`strategies.server.run_server` as the ServerApp in
-``strategies/server_app.py`` (same strategy, validation, robust rule, liveness,
-guard, signing glue and omniscient ``update_hook`` as
-``experiments/simulate.py``), and every message is handled by the real
-``ClientApp`` object from :func:`clients.client_app.make_client_app`. Only the
+:func:`fedrobust.strategies.server_app.run_experiment` as the ServerApp (the same
+``RobustStrategy.start()`` loop: validation, robust rule, liveness, guard,
+signatures and the omniscient ``update_hook`` of ``experiments/simulate.py``),
+and every message is handled by the real ``ClientApp`` object from
+:func:`fedrobust.clients.client_app.make_client_app`. Only the
 transport differs: :class:`InProcessGrid` is a :class:`flwr.serverapp.Grid`
 that hands each pushed message to the ClientApp directly and keeps the reply
 until it is pulled.
@@ -35,8 +35,9 @@ on Flower's engines (tests/), not here.
 from __future__ import annotations
 
 import contextlib
-import functools
+import json
 import logging
+import tempfile
 import time
 import traceback
 from collections.abc import Iterable, Iterator
@@ -56,12 +57,11 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients.client_app import make_client_app
 from experiments.adversary import omniscient_hook
+from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import RunConfig
 from fedrobust.run_setup import validate
-from strategies.server import run_server
-from strategies.signing_glue import security_for
+from fedrobust.strategies.server_app import run_experiment
 
 log = logging.getLogger(__name__)
 
@@ -254,39 +254,31 @@ def run_inprocess(
 ) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` in-process nodes; return the metrics rows.
 
-    The server side is :func:`strategies.server.run_server` with the omniscient
-    adversary hook of :mod:`experiments.adversary` and the signing glue, as
-    ``experiments/simulate.py`` runs it on Flower's engine; the nodes run
-    ``make_client_app(cfg)`` (or ``client_app``, e.g. a test's misbehaving one).
-    With ``out_dir``, the server writes ``metrics.jsonl`` and
-    ``final_model.safetensors`` there (and the resolved config, as the ServerApp does).
+    The server side is :func:`fedrobust.strategies.server_app.run_experiment` with the
+    omniscient adversary hook of :mod:`experiments.adversary`, as ``experiments/simulate.py``
+    runs it on Flower's engine; the nodes run ``make_client_app(cfg)`` (or ``client_app``, e.g.
+    a test's misbehaving one). ``metrics.jsonl``, ``final_model.safetensors`` and the resolved
+    config go to ``out_dir`` (a temporary directory when None).
 
-    PyTorch is limited to one thread in this process (the models are tiny; a
-    sweep runs one process per core instead).
+    PyTorch is limited to one thread in this process (the models are tiny; a sweep runs one
+    process per core instead).
 
     Raises
     ------
     ValueError
         Before anything starts, when the config is invalid.
-    strategies.server.QuorumError
+    fedrobust.QuorumError
         When a round could not be aggregated after its retries.
     """
     validate(cfg)
     torch.set_num_threads(1)
-    if out_dir is not None:
+    with contextlib.ExitStack() as stack:
+        if out_dir is None:
+            out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        (out_dir / "resolved_config.json").write_text(cfg.to_json())
-    app = client_app if client_app is not None else make_client_app(cfg)
-    grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat())
-    run_id = grid.run.run_id
-    with _server_identity(run_id):
-        result = run_server(
-            grid,
-            cfg,
-            out_dir=out_dir,
-            update_hook=omniscient_hook(cfg),
-            make_security=functools.partial(security_for, run_id=str(run_id)),
-            echo=echo,
-        )
-    return result.rows
+        app = client_app if client_app is not None else make_client_app(cfg)
+        grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat())
+        with _server_identity(grid.run.run_id):
+            run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), progress=echo)
+        return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from experiments.simulate import simulate  # noqa: E402
 from fedrobust.config import RunConfig, from_nested  # noqa: E402
-from strategies.server import EXIT_PREEMPTED, Preempted  # noqa: E402
+from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,10 @@ def main(cfg: DictConfig) -> float:
     try:
         rows = simulate(run_cfg, out_dir)
     except Preempted as stopped:
-        print(f"{stopped}; checkpoint written, run the same command again to resume", flush=True)
+        if stopped.checkpointed:
+            print(f"{stopped}; checkpoint written, run the same command again to resume", flush=True)
+        else:
+            print(f"{stopped}; no checkpoint (checkpoint.dir is empty): the same command starts over", flush=True)
         sys.exit(EXIT_PREEMPTED)
     final = rows[-1]["accuracy"] if rows else float("nan")
     (out_dir / "final.json").write_text(json.dumps({"accuracy": final, "rounds": len(rows)}))

@@ -16,11 +16,12 @@ os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 import ray  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 
-from clients.client_app import make_client_app  # noqa: E402
 from experiments.adversary import omniscient_hook  # noqa: E402
+from fedrobust.clients.client_app import make_client_app  # noqa: E402
 from fedrobust.config import RunConfig  # noqa: E402
 from fedrobust.run_setup import validate  # noqa: E402
-from strategies.server_app import install_stop_handlers, make_server_app  # noqa: E402
+from fedrobust.strategies.robust_strategy import RobustStrategy  # noqa: E402
+from fedrobust.strategies.server_app import install_stop_handlers, make_server_app  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
     ------
     ValueError
         Before anything starts, when the config is invalid.
-    strategies.server.Preempted, strategies.server.QuorumError
-        As the server raised them (a checkpoint was written).
+    fedrobust.Preempted, fedrobust.QuorumError
+        As the server raised them (a checkpoint was written where one is configured).
     RuntimeError
         When the server did not finish all rounds for another reason.
     """
@@ -62,9 +63,22 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
     if not verbose:  # Flower logs every actor and backend step at DEBUG
         logging.getLogger("flwr").setLevel(logging.INFO)
     _start_ray(verbose)
-    # After ray.init, which replaces the SIGTERM handler with its own sys.exit.
+    # After ray.init, which replaces the SIGTERM handler with its own sys.exit. The strategy is
+    # built inside the ServerApp, so a signal that comes first is remembered and passed on.
     stop = threading.Event()
-    install_stop_handlers(stop)
+    strategies: list[RobustStrategy] = []
+
+    def request_stop() -> None:
+        stop.set()
+        for strategy in strategies:
+            strategy.request_stop()
+
+    def on_strategy(strategy: RobustStrategy) -> None:
+        strategies.append(strategy)
+        if stop.is_set():
+            strategy.request_stop()
+
+    install_stop_handlers(request_stop)
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
@@ -72,7 +86,7 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
         "client_resources": {"num_cpus": cfg.simulation.client_cpus, "num_gpus": cfg.simulation.client_gpus},
     }
     run_simulation(
-        server_app=make_server_app(cfg, out_dir=out_dir, update_hook=omniscient_hook(cfg), stop=stop),
+        server_app=make_server_app(cfg, out_dir=out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy),
         client_app=make_client_app(cfg),
         num_supernodes=cfg.num_clients,
         backend_config=backend_config,

@@ -221,7 +221,7 @@ def _slim(row: dict[str, Any]) -> dict[str, Any]:
 def run_one(spec: RunSpec, cfg: RunConfig, overrides: list[str], out: Path) -> dict[str, Any]:
     """Run one configuration in this process and write its result file; return the result."""
     from experiments.inprocess import run_inprocess
-    from strategies.server import QuorumError
+    from fedrobust.strategies.errors import QuorumError
 
     started, cpu_started = time.perf_counter(), time.process_time()
     status, error = OK, ""

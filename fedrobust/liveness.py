@@ -229,6 +229,10 @@ class LivenessTracker:
             return "quarantined"
         return node.status  # type: ignore[return-value]
 
+    def known_nodes(self) -> list[int]:
+        """Every node id the tracker has heard of, sorted."""
+        return sorted(self._nodes)
+
     def snapshot(self) -> dict[str, int]:
         """Number of known nodes per status, for the per-round report."""
         counts = dict.fromkeys(STATUSES, 0)

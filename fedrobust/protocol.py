@@ -5,15 +5,15 @@ imports the other.
 """
 
 # Message record keys.
-ARRAYS = "arrays"  # server -> client: the global model
+ARRAYS = "arrays"  # server -> client: the global model; client -> server (Flower's convention): local weights
 UPDATE = "update"  # client -> server: local model minus global model
-CONFIG = "config"  # server -> client: round, nonce, local training settings
+CONFIG = "config"  # server -> client: server-round, nonce, local training settings
 METRICS = "metrics"  # client -> server: num-examples and training metrics
 SIGNATURE = "signature"  # client -> server: key id and Ed25519 signature
 INFO = "info"  # client -> server: answer to the hello query
 
 # Fields.
-ROUND = "round"
+SERVER_ROUND = "server-round"  # as Flower's strategies name it
 NONCE = "nonce"
 RUN_ID = "run-id"
 NUM_EXAMPLES = "num-examples"

@@ -1,23 +1,28 @@
 """What a round checkpoint holds for the server, and how a run resumes from one.
 
 The store itself (atomic, checksummed, fsspec, no pickle) is
-:class:`fedrobust.checkpoint.CheckpointStore`; this module decides what goes
-in: global model, server optimizer and aggregator state, RNG states, liveness
-and quarantine state, divergence-guard state and the metrics history.
+:class:`fedrobust.checkpoint.CheckpointStore`; this module decides what goes in: the global
+model, the strategy's state (server optimizer, aggregator, liveness and quarantine, key pins), RNG
+states, divergence-guard state, the metrics history and the settings the run was started with.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import fsspec
 import torch
 
 from fedrobust.checkpoint import (
     CONFIG_HASH_KEY,
+    CheckpointMismatchError,
     CheckpointStore,
     capture_rng_state,
     config_hash,
@@ -25,24 +30,14 @@ from fedrobust.checkpoint import (
     restore_rng_state,
     split_groups,
 )
-from fedrobust.config import RunConfig
-from fedrobust.liveness import LivenessTracker
-from strategies.robust_strategy import RobustStrategy
 
 log = logging.getLogger(__name__)
 
+SETTINGS_KEY = "settings"
 
-def run_fingerprint(cfg: RunConfig) -> str:
-    """Hash of the settings a checkpoint must agree with to be resumed.
 
-    Settings that do not change what is computed (where checkpoints and outputs
-    go, deadlines, simulation resources) and the number of rounds (a run may be
-    extended) are left out.
-    """
-    values = dataclasses.asdict(cfg)
-    for key in ("checkpoint", "output_dir", "num_rounds", "fault", "simulation"):
-        values.pop(key)
-    return config_hash(values)
+class NoValidCheckpointError(RuntimeError):
+    """Checkpoints exist but none verifies; resuming silently from round 1 would lose the run."""
 
 
 @dataclass
@@ -57,23 +52,49 @@ class GuardState:
 @dataclass
 class ResumePoint:
     round: int
+    global_state: dict[str, torch.Tensor]
+    strategy_tensors: dict[str, torch.Tensor]
+    strategy_meta: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
     guard: GuardState = field(default_factory=GuardState)
+    client_state: dict[str, Any] = field(default_factory=dict)
 
 
 class RoundCheckpointer:
-    """Saves the server's state every k rounds and/or every T seconds, in the background."""
+    """Saves the server's state every k rounds and/or every T seconds, written in the background.
 
-    def __init__(self, cfg: RunConfig) -> None:
-        c = cfg.checkpoint
-        self.store = CheckpointStore(c.dir, keep=c.keep) if c.dir else None
-        self.every_rounds = c.every_rounds
-        self.every_seconds = c.every_seconds
-        self.fingerprint = run_fingerprint(cfg)
-        self.resume = c.resume
-        self.force = c.force_resume
+    Parameters
+    ----------
+    url : str or None
+        Checkpoint directory (path or fsspec URL); None: no checkpoints.
+    settings : mapping
+        The settings of the run; a checkpoint saved with other settings is not resumed unless
+        ``force``, and the refusal names the settings that differ.
+    """
+
+    def __init__(
+        self,
+        url: str | None,
+        *,
+        settings: Mapping[str, Any],
+        every_rounds: int = 1,
+        every_seconds: float = 0.0,
+        keep: int = 3,
+        resume: str = "auto",
+        force: bool = False,
+    ) -> None:
+        if url is not None:
+            _check_writable(url)
+        self.store = CheckpointStore(url, keep=keep) if url is not None else None
+        self.url = url
+        self.settings = json.loads(json.dumps(dict(settings), sort_keys=True, default=str))
+        self.fingerprint = config_hash(self.settings)
+        self.every_rounds = every_rounds
+        self.every_seconds = every_seconds
+        self.resume = resume
+        self.force = force
         self._last_time = time.monotonic()
-        self._last_round = 0
+        self.last_round = 0
 
     def due(self, server_round: int) -> bool:
         if self.store is None:
@@ -85,61 +106,122 @@ class RoundCheckpointer:
     def save(
         self,
         server_round: int,
-        strategy: RobustStrategy,
-        liveness: LivenessTracker,
+        global_state: Mapping[str, torch.Tensor],
+        strategy_state: tuple[dict[str, torch.Tensor], dict[str, Any]],
         rows: list[dict[str, Any]],
         guard: GuardState,
         *,
+        client_state: Mapping[str, Any] | None = None,
         wait: bool = False,
-    ) -> None:
-        """Checkpoint the state after ``server_round``; serialized now, written in the background."""
-        if self.store is None or server_round == self._last_round:
-            if wait and self.store is not None:
-                self.store.wait()
-            return
-        strategy_tensors, strategy_meta = strategy.state_dict()
-        rng_tensors, rng_meta = capture_rng_state()
-        tensors = join_groups({"model": strategy.global_state, "rng": rng_tensors})
-        tensors.update(strategy_tensors)  # already "optimizer/..." and "aggregator/..."
-        meta = {
-            CONFIG_HASH_KEY: self.fingerprint,
-            "round": server_round,
-            "strategy": strategy_meta,
-            "rng": rng_meta,
-            "liveness": liveness.state_dict(),
-            "guard": dataclasses.asdict(guard),
-            "rows": rows,
-        }
-        self.store.save_async(server_round, tensors, meta)
-        self._last_time = time.monotonic()
-        self._last_round = server_round
+    ) -> bool:
+        """Checkpoint the state after ``server_round``: serialized now, written in the background.
+
+        Returns whether a checkpoint of ``server_round`` exists (now or from an earlier call).
+        """
+        if self.store is None:
+            return False
+        if server_round != self.last_round:
+            strategy_tensors, strategy_meta = strategy_state
+            rng_tensors, rng_meta = capture_rng_state()
+            tensors = join_groups({"model": dict(global_state), "rng": rng_tensors})
+            tensors.update(strategy_tensors)  # already "optimizer/..." and "aggregator/..."
+            meta = {
+                CONFIG_HASH_KEY: self.fingerprint,
+                SETTINGS_KEY: self.settings,
+                "round": server_round,
+                "strategy": strategy_meta,
+                "rng": rng_meta,
+                "guard": dataclasses.asdict(guard),
+                "rows": rows,
+                "clients": dict(client_state or {}),
+            }
+            self.store.save_async(server_round, tensors, meta)
+            self._last_time = time.monotonic()
+            self.last_round = server_round
         if wait:
             self.store.wait()
+        return True
 
-    def restore(self, strategy: RobustStrategy, liveness: LivenessTracker) -> ResumePoint | None:
-        """Load the latest valid checkpoint into ``strategy`` and ``liveness`` (``resume=auto``)."""
+    def restore(self) -> ResumePoint | None:
+        """The latest valid checkpoint (``resume=auto``), or None when there is none.
+
+        Raises
+        ------
+        CheckpointMismatchError
+            The newest valid checkpoint was saved with other settings (named) and not ``force``.
+        NoValidCheckpointError
+            Checkpoints exist but none verifies (each reason was logged); move them aside or
+            set ``resume='never'`` to start fresh.
+        """
         if self.store is None or self.resume == "never":
             return None
-        checkpoint = self.store.latest_valid(self.fingerprint, force=self.force)
+        checkpoint = self.store.latest_valid(None)
         if checkpoint is None:
+            if self.store.rounds():
+                raise NoValidCheckpointError(
+                    f"no checkpoint in {self.url} verifies (rounds {self.store.rounds()}; reasons in the log "
+                    "above). Move them aside to keep them, or start fresh with resume='never' "
+                    "(checkpoint.resume=never)."
+                )
             return None
-        groups = split_groups(checkpoint.tensors)
         meta = checkpoint.meta
-        strategy.global_state = {k: v.clone() for k, v in groups["model"].items()}
-        strategy.load_state_dict(
-            {f"{g}/{k}": v for g in ("optimizer", "aggregator") for k, v in groups.get(g, {}).items()},
-            meta["strategy"],
-        )
+        if meta.get(CONFIG_HASH_KEY) != self.fingerprint:
+            differ = _differences(meta.get(SETTINGS_KEY, {}), self.settings)
+            message = (
+                f"checkpoint {checkpoint.path} (round {checkpoint.round}) was saved with other settings: "
+                + ("; ".join(differ) if differ else "settings hash differs")
+            )
+            if not self.force:
+                raise CheckpointMismatchError(
+                    f"{message}. Resume with the original settings, use another checkpoint directory, or force "
+                    "the resume (force_resume=True; checkpoint.force_resume=true)."
+                )
+            log.warning("%s; resuming anyway (forced)", message)
+        groups = split_groups(checkpoint.tensors)
         restore_rng_state(groups.get("rng", {}), meta["rng"])
-        liveness.load_state_dict(meta["liveness"])
-        self._last_round = checkpoint.round
+        self.last_round = checkpoint.round
         log.info("resuming after round %d from %s", checkpoint.round, checkpoint.path)
-        return ResumePoint(round=checkpoint.round, rows=list(meta["rows"]), guard=GuardState(**meta["guard"]))
+        return ResumePoint(
+            round=checkpoint.round,
+            global_state={k: v.clone() for k, v in groups["model"].items()},
+            strategy_tensors={f"{g}/{k}": v for g in ("optimizer", "aggregator") for k, v in groups.get(g, {}).items()},
+            strategy_meta=meta["strategy"],
+            rows=list(meta["rows"]),
+            guard=GuardState(**meta["guard"]),
+            client_state=dict(meta.get("clients", {})),
+        )
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
 
 
-def model_is_finite(state: dict[str, torch.Tensor]) -> bool:
+def _check_writable(url: str) -> None:
+    """Fail before the run when a local checkpoint directory cannot be created or written."""
+    protocol = fsspec.utils.get_protocol(url)
+    if protocol not in ("file", "local"):
+        return
+    path = Path(fsspec.utils.strip_protocol(url) if protocol != "file" else url.removeprefix("file://"))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"checkpoint directory {url!r} is not writable: {err.strerror or err}") from None
+
+
+def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``key: saved -> current`` for every setting that differs (nested mappings walked)."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<unset>"), current.get(key, "<unset>")
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.extend(_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def model_is_finite(state: Mapping[str, torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())

@@ -1,10 +1,11 @@
-"""Central evaluation of the global model on the held-out test set, on the server."""
+"""The model of an experiment and its central evaluation, in the shapes ``strategy.start()`` takes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
+from flwr.app import ArrayRecord, MetricRecord
 
 from fedrobust import data, models, training
 from fedrobust.config import RunConfig
@@ -20,15 +21,20 @@ def build_global_model(cfg: RunConfig) -> torch.nn.Module:
         )
 
 
-def central_evaluator(cfg: RunConfig) -> Callable[[Mapping[str, torch.Tensor]], dict[str, float]]:
-    """A function that evaluates a global state dict on the test set: loss and accuracy."""
+def initial_arrays(cfg: RunConfig) -> ArrayRecord:
+    """The initial global model of the run as Flower's ArrayRecord."""
+    return ArrayRecord(build_global_model(cfg).state_dict())
+
+
+def central_evaluate_fn(cfg: RunConfig) -> Callable[[int, ArrayRecord], MetricRecord]:
+    """``evaluate_fn(server_round, arrays)`` for ``strategy.start()``: loss and accuracy on the test set."""
     test_set = data.load_test_set(cfg.dataset.name, seed=cfg.seed)
     model = build_global_model(cfg)
     device = training.pick_device("auto")
 
-    def evaluate(state: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        model.load_state_dict(state)
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
         result = training.evaluate(model, test_set, device=device)
-        return {"loss": float(result["loss"]), "accuracy": float(result["accuracy"])}
+        return MetricRecord({"loss": float(result["loss"]), "accuracy": float(result["accuracy"])})
 
     return evaluate

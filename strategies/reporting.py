@@ -1,4 +1,9 @@
-"""What the user sees: one metrics row per round (JSONL), a progress line, a final summary."""
+"""What the operator sees: one metrics row per round (JSONL), progress lines, a final summary.
+
+Progress goes to standard output (what ``flwr run --stream`` and ``flwr log`` show of a ServerApp)
+and to this module's logger; each round's line names the nodes whose replies were rejected (with
+the reason), dropped or quarantined, so an operator can act without reading the server's logs.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """Appends one JSON object per round to ``metrics.jsonl`` and prints progress."""
+    """Appends one JSON object per round to ``path`` and prints progress when ``echo``."""
 
     def __init__(self, path: Path | None, num_rounds: int, *, echo: bool = True) -> None:
         self.path = path
@@ -33,43 +38,77 @@ class MetricsLog:
         if self.path is not None:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(row, sort_keys=True) + "\n")
-        if self.echo:
-            print(progress_line(row, self.num_rounds), flush=True)
+        self.say(progress_line(row, self.num_rounds))
+        for line in node_lines(row):
+            self.say(line)
 
-    def summary(self, seconds: float) -> str:
-        return summary_text(self.rows, seconds)
+    def say(self, line: str) -> None:
+        """One line for the operator: printed when echoing, logged either way."""
+        log.info("%s", line)
+        if self.echo:
+            print(line, flush=True)
+
+    def finish(self, seconds: float) -> None:
+        for line in summary_text(self.rows, seconds).splitlines():
+            self.say(line)
 
 
 def progress_line(row: dict[str, Any], num_rounds: int) -> str:
     rejected = row.get("rejected", {})
-    why = "".join(f" {k}={v}" for k, v in sorted(rejected.items()))
-    status = "" if row.get("aggregated", True) else "  NOT AGGREGATED: " + row.get("why_not_aggregated", "")
-    return (
-        f"[round {row['round']:>3}/{num_rounds}] acc {row['accuracy']:.4f}  loss {row['loss']:.4f}  "
-        f"accepted {row['accepted']:>3}  rejected {sum(rejected.values()):>2}{(' (' + why.strip() + ')') if why else ''}  "
-        f"dropped {row['dropped']:>2}  train {row['seconds_train']:.2f}s agg {row['seconds_aggregate']:.3f}s "
-        f"eval {row['seconds_evaluate']:.2f}s{status}"
+    why = " ".join(f"{k}={v}" for k, v in sorted(rejected.items()))
+    evaluation = "".join(
+        f"{name} {row[name]:.4f}  " for name in ("accuracy", "loss") if isinstance(row.get(name), int | float)
     )
+    errors = row.get("client_errors", {})
+    return (
+        f"[round {row['round']:>3}/{num_rounds}] {evaluation}"
+        f"accepted {row['accepted']:>3}  rejected {sum(rejected.values()):>2}{(' (' + why + ')') if why else ''}  "
+        f"dropped {row['dropped']:>2}{f' (client errors {sum(errors.values())})' if errors else ''}  "
+        f"train {row['seconds_train']:.2f}s agg {row['seconds_aggregate']:.3f}s "
+        f"eval {row.get('seconds_evaluate', 0.0):.2f}s"
+    )
+
+
+def _node(entry: dict[str, Any]) -> str:
+    partition = entry.get("partition")
+    return f"node {entry['node']}" + (f" (partition {partition})" if partition is not None else "")
+
+
+def node_lines(row: dict[str, Any]) -> list[str]:
+    """Which nodes were rejected (and why), dropped, or are quarantined this round."""
+    lines = [
+        f"    rejected: {_node(e)}: {e['reason']} ({e.get('detail', '')})" for e in row.get("rejected_nodes", [])
+    ]
+    lines += [f"    dropped: {_node(e)}" for e in row.get("dropped_nodes", [])]
+    lines += [f"    client error x{n}: {message}" for message, n in row.get("client_errors", {}).items()]
+    if row.get("quarantined"):
+        lines.append(f"    quarantined: nodes {', '.join(str(n) for n in row['quarantined'])}")
+    return lines
 
 
 def summary_text(rows: list[dict[str, Any]], seconds: float) -> str:
     if not rows:
         return "no round completed"
     last = rows[-1]
-    best = max(rows, key=lambda r: r["accuracy"] if math.isfinite(r["accuracy"]) else -1)
     rejected: dict[str, int] = {}
     for r in rows:
         for k, v in r.get("rejected", {}).items():
             rejected[k] = rejected.get(k, 0) + v
-    lines = [
-        "=" * 72,
-        f"finished {last['round']} rounds in {seconds:.1f} s",
-        f"final accuracy {last['accuracy']:.4f}  loss {last['loss']:.4f}  "
-        f"(best {best['accuracy']:.4f} in round {best['round']}, worst {min(r['accuracy'] for r in rows):.4f})",
+    lines = ["=" * 72, f"finished {last['round']} rounds in {seconds:.1f} s"]
+    if isinstance(last.get("accuracy"), int | float):
+        scored = [r for r in rows if isinstance(r.get("accuracy"), int | float) and math.isfinite(r["accuracy"])]
+        best = max(scored, key=lambda r: r["accuracy"]) if scored else last
+        lines.append(
+            f"final accuracy {last['accuracy']:.4f}"
+            + (f"  loss {last['loss']:.4f}" if isinstance(last.get("loss"), int | float) else "")
+            + f"  (best {best['accuracy']:.4f} in round {best['round']}, "
+            f"worst {min(r['accuracy'] for r in scored) if scored else float('nan'):.4f})"
+        )
+    lines += [
         f"replies accepted {sum(r['accepted'] for r in rows)}, rejected {sum(rejected.values())}"
         + (f" {dict(sorted(rejected.items()))}" if rejected else "")
         + f", dropped {sum(r['dropped'] for r in rows)}",
-        f"rounds not aggregated: {sum(1 for r in rows if not r.get('aggregated', True))}",
+        f"rollbacks {last.get('rollbacks', 0)}, retried rounds {sum(1 for r in rows if r.get('attempts', 1) > 1)}",
         "=" * 72,
     ]
     return "\n".join(lines)

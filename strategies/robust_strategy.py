@@ -1,250 +1,592 @@
-"""The robust strategy: sample, validate every reply on its own, aggregate robustly, step.
+"""The robust strategy: sample live nodes, validate every reply on its own, aggregate robustly, step.
 
-It implements Flower's Message-API :class:`flwr.serverapp.strategy.Strategy`, so
-``strategy.start(grid=...)`` works as with Flower's own strategies; the
-fault-tolerant loop in :mod:`strategies.round_loop` drives the same methods with
-deadlines, quorum and checkpoints.
+:class:`RobustStrategy` is a Flower Message-API :class:`~flwr.serverapp.strategy.Strategy`. Used
+the Flower way, ``strategy.start(grid=..., initial_arrays=..., num_rounds=...)`` runs the whole
+fault-tolerant loop (:mod:`fedrobust.strategies.round_loop`) and returns Flower's ``Result``;
+``configure_train`` / ``aggregate_train`` / ``configure_evaluate`` / ``aggregate_evaluate`` also
+work one by one, as in Flower's own strategies.
 
-Unlike Flower's built-in robust strategies, one malformed reply never raises
-(``InconsistentMessageReplies`` stops a Flower ServerApp) and a rule is never run
-on fewer rows than it needs (Flower's Krum happily picks between 2 replies with
-f=1): such a round is reported as not aggregated, with the reason.
+Unlike Flower's built-in robust strategies, one malformed reply never raises (Flower's
+``InconsistentMessageReplies`` stops a ServerApp) and a rule is never run on fewer rows than it
+needs (Flower's Krum happily picks between 2 replies with f=1): such a round is reported as not
+aggregated, with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 
-from fedrobust import protocol
-from fedrobust.config import RunConfig
-from fedrobust.run_setup import build_aggregator
+from fedrobust import aggregators, protocol
+from fedrobust.config import LivenessConfig
+from fedrobust.liveness import LivenessTracker
+from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import ServerOptimizer
+from fedrobust.signing import TrustStore
 from fedrobust.tensors import flatten, float_keys, unflatten
 from fedrobust.validation import Rejection, check_update
+from fedrobust.strategies.replies import MALFORMED_REPLY, ParsedReply, parse_reply
+from fedrobust.strategies.signatures import SignatureCheck
 
 log = logging.getLogger(__name__)
 
-MALFORMED_REPLY = "malformed_reply"
 DUPLICATE_REPLY = "duplicate_reply"
+RESUME_MODES = ("auto", "never")
 
 
 @dataclass
 class ClientUpdate:
-    """One reply that passed validation."""
+    """One reply that passed parsing and its signature check: the update it contributes."""
 
     node_id: int
     partition_id: int
     update: dict[str, torch.Tensor]
     num_examples: float  # as claimed by the client; validated before use
     metrics: dict[str, float]
-    # Simulation-only marker of a Byzantine sender (see fedrobust.protocol.SIM_BYZANTINE).
     sim_byzantine: bool = False
 
 
 @dataclass
 class RoundOutcome:
-    """What happened to the replies of one round."""
+    """What happened to the replies of one training round: a value, returned by :meth:`aggregate_round`."""
 
     round: int
     sampled: int = 0
-    accepted: list[int] = field(default_factory=list)  # partition ids
+    accepted: list[int] = field(default_factory=list)  # node ids, in aggregation order
     rejected: Counter[str] = field(default_factory=Counter)
-    dropped: int = 0
+    rejected_nodes: list[dict[str, Any]] = field(default_factory=list)  # {"node", "partition", "reason", "detail"}
+    dropped: list[int] = field(default_factory=list)  # node ids: error replies or missed deadline
+    client_errors: Counter[str] = field(default_factory=Counter)  # error message -> replies
+    f_used: int = 0
     aggregated: bool = False
     why_not_aggregated: str = ""
+    arrays: ArrayRecord | None = None
     train_metrics: dict[str, float] = field(default_factory=dict)
     seconds_aggregate: float = 0.0
 
+    def metric_record(self) -> MetricRecord:
+        """Counts and the clients' mean training metrics, as Flower's Result keeps them per round."""
+        counts: dict[str, int | float] = {
+            "accepted": len(self.accepted),
+            "rejected": sum(self.rejected.values()),
+            "dropped": len(self.dropped),
+            "client-errors": sum(self.client_errors.values()),
+            "aggregated": int(self.aggregated),
+            "f-used": self.f_used,
+        }
+        counts.update({f"rejected.{reason}": n for reason, n in sorted(self.rejected.items())})
+        return MetricRecord({**counts, **self.train_metrics})
 
-# A verifier checks a reply's signature and nonce; returns a rejection reason or None.
-Verifier = Callable[[int, int, RecordDict, Mapping[str, torch.Tensor], int], str | None]
-# A hook sees the parsed updates of a round before they are validated and aggregated
-# (the simulation-only adversary of experiments/ uses it; the strategy carries none).
+
+# Sees the parsed updates of a round before they are validated and aggregated (the simulation-only
+# omniscient adversary of experiments/ uses it; the strategy carries none by default).
 UpdateHook = Callable[[int, list[ClientUpdate]], list[ClientUpdate]]
 
 
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
 class RobustStrategy(Strategy):
-    """Byzantine-robust federated training on Flower's Message API.
+    """Byzantine-robust, fault-tolerant federated training on Flower's Message API.
 
     Parameters
     ----------
-    cfg : RunConfig
-        The run's configuration (rule, f, validation bounds, server optimizer, ...).
-    initial_state : Mapping[str, torch.Tensor]
-        The global model's initial state dict; fixes the names, shapes and dtypes
-        every reply must have.
-    issue_nonce : callable, optional
-        ``issue_nonce(node_id, round) -> bytes``: a fresh server nonce per message.
-    verifier : callable, optional
-        Checks signature, key and nonce of a reply before anything else looks at it.
+    aggregator : str or Aggregator
+        A rule from ``fedrobust.aggregators.names()`` (``trimmed_mean``, ``median``, ``krum``,
+        ``multikrum``, ``geometric_median``, ``centered_clipping``, ``bulyan``, ``mean``, ...) or an
+        aggregator already built with :func:`fedrobust.aggregators.build`.
+    num_byzantine : int
+        f, the number of faulty or malicious replies per round the rule tolerates.
+    pre : sequence of str or mapping
+        Pre-aggregators in front of the rule (``nnm``, ``bucketing``, ``clipping``, ``arc``).
+    aggregator_params : mapping, optional
+        Keyword parameters of the rule.
+    fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes
+        As in Flower's ``FedAvg``: the share of the (live, non-quarantined) nodes sampled per round,
+        at least ``min_*_nodes``; training waits (at most ``wait_for_nodes`` s) for
+        ``min_available_nodes`` connected nodes. ``fraction_evaluate=0`` turns federated
+        evaluation off (use ``evaluate_fn`` for central evaluation).
+    weighted_by_key, arrayrecord_key, configrecord_key : str
+        Record and metric names, as in Flower's ``FedAvg``.
+    weight_by_num_examples : bool
+        Weight replies by their (unverifiable) example counts where the rule supports weights.
+    server_optimizer : str
+        ``fedavg``, ``fedavgm``, ``fedadam`` or ``fedyogi``: how the robust aggregate moves the model.
+    server_lr : float
+        Server learning rate.
+    server_optimizer_params : mapping, optional
+        ``momentum`` (fedavgm), ``beta_1``, ``beta_2``, ``tau`` (fedadam, fedyogi).
+    max_update_norm : float, optional
+        L2 bound on a reply's update; None: no bound (non-finite updates are always rejected).
+    max_num_examples : int
+        Largest believable example count of a reply.
+    round_deadline : float, optional
+        Seconds a round waits for replies; None: ``start()``'s ``timeout``.
+    max_round_retries : int
+        Retries of a round that got fewer valid replies than the rule needs, before stopping.
+    over_select : int
+        Extra nodes sampled per round; the round ends at the first planned number of replies.
+    wait_for_nodes : float
+        Seconds to wait for ``min_available_nodes`` before giving up (Flower waits forever).
+    liveness : LivenessConfig or mapping, optional
+        When a node is suspected, dead or quarantined (``fedrobust.config.LivenessConfig``).
+    divergence_factor, lr_decay : float
+        Roll back a round whose evaluation loss exceeds ``divergence_factor`` times the best so
+        far (0: only a non-finite model is rolled back) and multiply the server lr by ``lr_decay``.
+    checkpoint_dir : str or PathLike, optional
+        Local path or fsspec URL for round checkpoints; a second ``start()`` on the same
+        directory resumes after the last checkpointed round.
+    checkpoint_every, checkpoint_every_seconds, checkpoint_keep
+        Checkpoint every k rounds (0: only by time, and after the last round) and/or every T
+        seconds; keep the last n.
+    resume : str
+        ``auto`` resumes from the latest valid checkpoint; ``never`` starts fresh.
+    force_resume : bool
+        Resume even from a checkpoint saved with other settings.
+    signing : TrustStore, str or PathLike, optional
+        Verify reply signatures against this trust store (or the directory holding one);
+        ``require_signatures`` refuses unsigned replies. Without it signatures are not checked.
+    seed : int
+        Seeds sampling, so the same seed samples the same nodes.
+    discover_partitions : bool
+        Ask each node once for its ``partition-id`` (a query its ClientApp must answer) so that
+        sampling and aggregation order follow partitions rather than random node ids: runs are then
+        bit-reproducible across simulations. Off by default: any ClientApp works.
+    metrics_path : str or PathLike, optional
+        Append one JSON row per round here.
+    progress : bool
+        Print one line per round and a final summary.
     update_hook : callable, optional
-        Sees the accepted updates of a round before aggregation.
+        Sees the parsed updates of each round before validation (simulation adversaries).
+    settings : mapping, optional
+        Further settings a checkpoint must agree with to be resumed (e.g. the data and model
+        settings of an experiment); the strategy's own settings are always included.
     """
 
     def __init__(
         self,
-        cfg: RunConfig,
-        initial_state: Mapping[str, torch.Tensor],
+        aggregator: str | aggregators.Aggregator = "trimmed_mean",
+        num_byzantine: int = 0,
         *,
-        issue_nonce: Callable[[int, int], bytes] | None = None,
-        verifier: Verifier | None = None,
+        pre: Sequence[str | Mapping[str, Any]] | str = (),
+        aggregator_params: Mapping[str, Any] | None = None,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = protocol.NUM_EXAMPLES,
+        arrayrecord_key: str = protocol.ARRAYS,
+        configrecord_key: str = protocol.CONFIG,
+        weight_by_num_examples: bool = False,
+        server_optimizer: str = "fedavg",
+        server_lr: float = 1.0,
+        server_optimizer_params: Mapping[str, float] | None = None,
+        max_update_norm: float | None = None,
+        max_num_examples: int = 1_000_000,
+        round_deadline: float | None = None,
+        max_round_retries: int = 2,
+        over_select: int = 0,
+        wait_for_nodes: float = 120.0,
+        liveness: LivenessConfig | Mapping[str, int] | None = None,
+        divergence_factor: float = 10.0,
+        lr_decay: float = 0.5,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int = 1,
+        checkpoint_every_seconds: float = 0.0,
+        checkpoint_keep: int = 3,
+        resume: str = "auto",
+        force_resume: bool = False,
+        signing: TrustStore | str | os.PathLike[str] | None = None,
+        require_signatures: bool = True,
+        seed: int = 0,
+        discover_partitions: bool = False,
+        metrics_path: str | os.PathLike[str] | None = None,
+        progress: bool = True,
         update_hook: UpdateHook | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
-        self.cfg = cfg
-        self.global_state = {k: v.detach().clone() for k, v in initial_state.items()}
-        self.keys = float_keys(self.global_state)
-        self.aggregator = build_aggregator(cfg)
-        opt = cfg.server_optimizer
-        self.optimizer = ServerOptimizer(
-            opt.name, lr=opt.lr, momentum=opt.momentum, beta_1=opt.beta_1, beta_2=opt.beta_2, tau=opt.tau
+        _check(
+            isinstance(num_byzantine, int) and not isinstance(num_byzantine, bool) and num_byzantine >= 0,
+            f"num_byzantine must be an integer >= 0, got {num_byzantine!r}",
         )
-        self.issue_nonce = issue_nonce
-        self.verifier = verifier
+        for name, value in (("fraction_train", fraction_train), ("fraction_evaluate", fraction_evaluate)):
+            _check(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value!r}")
+        for name, value in (
+            ("min_train_nodes", min_train_nodes),
+            ("min_available_nodes", min_available_nodes),
+            ("checkpoint_keep", checkpoint_keep),
+            ("max_num_examples", max_num_examples),
+        ):
+            _check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        for name, value in (("min_evaluate_nodes", min_evaluate_nodes), ("max_round_retries", max_round_retries),
+                            ("over_select", over_select), ("checkpoint_every", checkpoint_every)):
+            _check(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
+        _check(server_optimizer in SERVER_OPTIMIZERS,
+               f"unknown server_optimizer {server_optimizer!r}; valid choices: {list(SERVER_OPTIMIZERS)}")
+        _check(max_update_norm is None or max_update_norm > 0,
+               f"max_update_norm must be > 0 (None: no bound), got {max_update_norm!r}")
+        _check(round_deadline is None or round_deadline > 0, f"round_deadline must be > 0 s, got {round_deadline!r}")
+        _check(wait_for_nodes >= 0, f"wait_for_nodes must be >= 0 s, got {wait_for_nodes!r}")
+        _check(divergence_factor == 0 or divergence_factor > 1,
+               f"divergence_factor must be > 1 (0: off), got {divergence_factor!r}")
+        _check(0 < lr_decay <= 1, f"lr_decay must be in (0, 1], got {lr_decay!r}")
+        _check(checkpoint_every_seconds >= 0, f"checkpoint_every_seconds must be >= 0, got {checkpoint_every_seconds!r}")
+        _check(resume in RESUME_MODES, f"unknown resume {resume!r}; valid choices: {list(RESUME_MODES)}")
+
+        if isinstance(aggregator, aggregators.Aggregator):
+            _check(not pre and not aggregator_params,
+                   "pre and aggregator_params apply to a rule given by name, not to a built Aggregator")
+            self.aggregator = aggregator
+        else:
+            self.aggregator = aggregators.build(aggregator, f=num_byzantine, pre=pre, **dict(aggregator_params or {}))
+        self._rule_spec = (aggregator, tuple(pre) if not isinstance(pre, str) else (pre,), dict(aggregator_params or {}))
+        self.num_byzantine = num_byzantine
+        self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
+        self.min_train_nodes = min_train_nodes
+        self.min_evaluate_nodes = min_evaluate_nodes
+        self.min_available_nodes = min_available_nodes
+        self.weighted_by_key = weighted_by_key
+        self.arrayrecord_key = arrayrecord_key
+        self.configrecord_key = configrecord_key
+        self.weight_by_num_examples = weight_by_num_examples
+        self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, **dict(server_optimizer_params or {}))
+        self.server_lr = server_lr
+        self.max_update_norm = max_update_norm
+        self.max_num_examples = max_num_examples
+        self.round_deadline = round_deadline
+        self.max_round_retries = max_round_retries
+        self.over_select = over_select
+        self.wait_for_nodes = wait_for_nodes
+        live = liveness if isinstance(liveness, LivenessConfig) else LivenessConfig(**dict(liveness or {}))
+        self.liveness_config = live
+        self.liveness = LivenessTracker(
+            suspect_after=live.suspect_after,
+            dead_after=live.dead_after,
+            backoff_rounds=live.backoff_rounds,
+            max_backoff=live.max_backoff,
+            quarantine_after=max(live.quarantine_after, 1),
+            quarantine_rounds=live.quarantine_rounds,
+        )
+        self.divergence_factor = divergence_factor
+        self.lr_decay = lr_decay
+        self.checkpoint_dir = None if checkpoint_dir in (None, "") else str(checkpoint_dir)
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every_seconds = checkpoint_every_seconds
+        self.checkpoint_keep = checkpoint_keep
+        self.resume = resume
+        self.force_resume = force_resume
+        trust = signing if signing is None or isinstance(signing, TrustStore) else TrustStore.load(signing)
+        self.signatures = SignatureCheck(trust, require=require_signatures)
+        self.seed = seed
+        self.discover_partitions = discover_partitions
+        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.progress = progress
         self.update_hook = update_hook
-        # node id -> partition id, learned from each node's answer to the hello query.
+        self.settings = {**self._own_settings(), **dict(settings or {})}
+
+        # node id -> partition id (discover_partitions); filled by the round loop's discovery.
         self.partitions: dict[int, int] = {}
-        # message id -> node id of the messages in flight, to attribute error replies:
-        # a SuperLink error reply carries the SuperLink's node id, not the client's.
-        self.in_flight: dict[str, int] = {}
-        self.excluded: set[int] = set()  # nodes the liveness tracker keeps out of sampling
-        self.last_outcome: RoundOutcome | None = None
-        self.on_rejection: Callable[[int, int, str], None] | None = None
+        # Replies the last sampled round waits for (over-selected nodes come on top).
+        self.planned_replies = 0
+        self.run_id: int | str = 0
+        self._global: dict[str, torch.Tensor] | None = None  # the state sent in the current round
+        self._global_round = 0
+        self._global_arrays: ArrayRecord | None = None
+        self._stop = threading.Event()
+        self._rules: dict[int, aggregators.Aggregator] = {num_byzantine: self.aggregator}
+
+    # ------------------------------------------------------------------ settings
+    def _own_settings(self) -> dict[str, Any]:
+        """The settings that change what is computed; a checkpoint must agree with them to resume."""
+        rule, pre, params = self._rule_spec
+        return {
+            "aggregator": rule if isinstance(rule, str) else repr(rule),
+            "pre": [p if isinstance(p, str) else dict(p) for p in pre],
+            "aggregator_params": params,
+            "num_byzantine": self.num_byzantine,
+            "server_optimizer": dataclasses.asdict(self.optimizer) | {"buffers": None, "steps": None},
+            "max_update_norm": self.max_update_norm,
+            "max_num_examples": self.max_num_examples,
+            "weight_by_num_examples": self.weight_by_num_examples,
+            "fraction_train": self.fraction_train,
+            "min_train_nodes": self.min_train_nodes,
+            "liveness": dataclasses.asdict(self.liveness_config),
+            "divergence_factor": self.divergence_factor,
+            "lr_decay": self.lr_decay,
+            "seed": self.seed,
+        }
+
+    def request_stop(self) -> None:
+        """Ask a running :meth:`start` to checkpoint and stop before its next round (e.g. on SIGTERM)."""
+        self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, server_round: int, node_ids: Iterable[int], attempt: int = 0) -> list[int]:
-        """Pick this round's clients: seeded by (seed, round, attempt), in partition order.
+    def refresh_liveness(self, grid: Grid, server_round: int) -> list[int]:
+        """Feed Flower's node list into the liveness tracker; return the nodes eligible in ``server_round``."""
+        node_ids = []
+        for info in grid.get_nodes():
+            node_ids.append(info.node_id)
+            status = getattr(info, "status", "")
+            # Simulation nodes report no status; a node the SuperLink marks offline is dead now.
+            self.liveness.observe_node(info.node_id, online=status not in ("offline", "unregistered"))
+        return self.liveness.eligible(node_ids, server_round)
 
-        Nodes are ordered by partition id (node ids are random per run) so that the
-        same seed samples the same partitions in every run.
-        """
-        candidates = sorted(
-            (n for n in node_ids if n in self.partitions and n not in self.excluded),
-            key=lambda n: (self.partitions[n], n),
-        )
-        want = min(len(candidates), self.cfg.clients_per_round + self.cfg.fault.over_select)
-        rng = np.random.default_rng([self.cfg.seed, server_round, attempt])
+    def _order(self, node_ids: Iterable[int]) -> list[int]:
+        """Nodes in a fixed order: by partition where known (node ids are random per run), then by id."""
+        return sorted(node_ids, key=lambda n: (self.partitions.get(n, -1), n))
+
+    def sample_size(self, num_eligible: int) -> int:
+        """Nodes to train in a round, as Flower's FedAvg computes it, capped at what is eligible."""
+        wanted = max(int(num_eligible * self.fraction_train + 1e-9), self.min_train_nodes)
+        return min(num_eligible, wanted)
+
+    def sample(self, server_round: int, eligible: Iterable[int], attempt: int = 0) -> list[int]:
+        """Pick this round's nodes, seeded by (seed, round, attempt); over-selection included."""
+        candidates = self._order(eligible)
+        if self.discover_partitions:
+            candidates = [n for n in candidates if n in self.partitions]
+        self.planned_replies = self.sample_size(len(candidates))
+        want = min(len(candidates), self.planned_replies + self.over_select)
+        rng = np.random.default_rng([self.seed, server_round, attempt])
         picked = rng.choice(len(candidates), size=want, replace=False) if want else []
-        return sorted((candidates[i] for i in picked), key=lambda n: self.partitions[n])
+        return self._order(candidates[i] for i in picked)
 
     # ------------------------------------------------------------------ Strategy API
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Messages for this round's sampled nodes: global arrays, round, nonce, config."""
-        self.global_state = dict(arrays.to_torch_state_dict())
-        attempt = int(config.get("attempt", 0))
-        node_ids = self.sample(server_round, grid.get_node_ids(), attempt)
-        messages = []
-        for node_id in node_ids:
-            cfg = ConfigRecord(dict(config))
-            cfg[protocol.ROUND] = server_round
-            if self.issue_nonce is not None:
-                cfg[protocol.NONCE] = self.issue_nonce(node_id, server_round)
-            messages.append(
-                Message(
-                    RecordDict({protocol.ARRAYS: arrays, protocol.CONFIG: cfg}),
-                    message_type=MessageType.TRAIN,
-                    dst_node_id=node_id,
-                )
-            )
-        return messages
+        """Messages for this round's sampled nodes: global arrays, round, a fresh nonce, the config."""
+        return self.train_messages(server_round, arrays, config, grid)
+
+    def train_messages(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid, *, attempt: int = 0
+    ) -> list[Message]:
+        """:meth:`configure_train` for one attempt of a round (a retried round samples anew)."""
+        self._remember_global(server_round, arrays)
+        self.run_id = grid.run.run_id
+        if self.fraction_train == 0.0:
+            return []
+        nodes = self.sample(server_round, self.refresh_liveness(grid, server_round), attempt)
+        return [self._message(node, server_round, arrays, config, MessageType.TRAIN) for node in nodes]
+
+    def _message(
+        self, node_id: int, server_round: int, arrays: ArrayRecord, config: ConfigRecord, kind: str
+    ) -> Message:
+        cfg = ConfigRecord(dict(config))
+        cfg[protocol.SERVER_ROUND] = server_round
+        if kind == MessageType.TRAIN:
+            cfg[protocol.NONCE] = self.signatures.nonce(node_id, server_round)
+        content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
+        return Message(content, message_type=kind, dst_node_id=node_id)
+
+    def _remember_global(self, server_round: int, arrays: ArrayRecord) -> None:
+        if self._global is None or self._global_round != server_round or self._global_arrays is not arrays:
+            self._global = dict(arrays.to_torch_state_dict())
+            self._global_round = server_round
+            self._global_arrays = arrays
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate each reply on its own, aggregate the accepted ones robustly, step."""
-        outcome = RoundOutcome(round=server_round, sampled=len(self.in_flight))
-        accepted = self._accept(server_round, replies, outcome)
-        outcome.accepted = [u.partition_id for u in accepted]
-        outcome.train_metrics = _mean_metrics(accepted)
-        self.last_outcome = outcome
+        """Validate each reply on its own, aggregate the accepted ones robustly, step the server optimizer."""
+        outcome = self.aggregate_round(server_round, replies)
+        return outcome.arrays, outcome.metric_record()
 
-        need = self.aggregator.min_n()
+    def aggregate_round(
+        self, server_round: int, replies: Iterable[Message], sent: Mapping[str, int] | None = None
+    ) -> RoundOutcome:
+        """:meth:`aggregate_train`, returning the whole outcome of the round.
+
+        Parameters
+        ----------
+        sent : mapping, optional
+            Message id -> destination node of the messages sent this round. Error replies from a
+            SuperLink carry the SuperLink's node id, not the client's: with ``sent`` they are
+            attributed to the right node. Without it, the source node id is used.
+        """
+        if self._global is None or self._global_round != server_round:
+            raise RuntimeError(
+                f"aggregate_train(round {server_round}) needs configure_train for that round first: "
+                "the update of each reply is computed against the global model that was sent"
+            )
+        sent = dict(sent or {})
+        outcome = RoundOutcome(round=server_round, sampled=len(sent))
+        accepted = self._accept(server_round, replies, sent, outcome)
+        outcome.accepted = [u.node_id for u in accepted]
+        outcome.train_metrics = _mean_metrics(accepted)
+        # Replies rejected as provably faulty are Byzantine ones the rule no longer has to outvote.
+        f_used = max(0, self.num_byzantine - sum(outcome.rejected.values()))
+        rule = self._rule_for(f_used)
+        outcome.f_used = f_used
+        need = rule.min_n()
         if len(accepted) < need:
             outcome.why_not_aggregated = (
-                f"{len(accepted)} valid replies, {self.cfg.aggregator.name} with f={self.cfg.num_byzantine} "
-                f"needs at least {need}"
+                f"{len(accepted)} valid replies, {rule.label} with f={f_used} needs at least {need}"
             )
-            log.warning("round %d not aggregated: %s", server_round, outcome.why_not_aggregated)
-            return None, MetricRecord(_counts(outcome))
-
+            return outcome
         start = time.perf_counter()
-        matrix = flatten([u.update for u in accepted], self.keys)
+        global_state = self._global
+        keys = float_keys(global_state)
+        matrix = flatten([u.update for u in accepted], keys)
         weights = None
-        if self.cfg.validation.weight_by_num_examples and self.aggregator.supports_weights:
+        if self.weight_by_num_examples and rule.supports_weights:
             weights = torch.tensor([float(u.num_examples) for u in accepted])
-        aggregate = unflatten(self.aggregator(matrix, weights), self.global_state, self.keys)
-        stepped = self.optimizer.step({k: self.global_state[k] for k in self.keys}, aggregate)
-        new_state = {**self.global_state, **stepped}
+        aggregate = unflatten(self._call_rule(rule, matrix, weights), global_state, keys)
+        stepped = self.optimizer.step({k: global_state[k] for k in keys}, aggregate)
+        new_state = {**global_state, **stepped}
+        outcome.arrays = ArrayRecord(new_state)
         outcome.seconds_aggregate = time.perf_counter() - start
         outcome.aggregated = True
-        self.global_state = new_state
-        return ArrayRecord(new_state), MetricRecord({**_counts(outcome), **outcome.train_metrics})
+        return outcome
+
+    def _rule_for(self, f: int) -> aggregators.Aggregator:
+        """The configured pipeline with ``f`` (a lower f after rejections); state shared with the main one."""
+        if f not in self._rules:
+            rule, pre, params = self._rule_spec
+            if not isinstance(rule, str):
+                return self.aggregator  # a user-built aggregator keeps its own f
+            self._rules[f] = aggregators.build(rule, f=f, pre=pre, **params)
+        return self._rules[f]
+
+    def _call_rule(self, rule: aggregators.Aggregator, matrix: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        if rule is self.aggregator:
+            return rule(matrix, weights)
+        # Stateful pipelines (centered clipping's center, adaptive clipping) carry on from the main one.
+        rule.load_state_dict(self.aggregator.state_dict())
+        result = rule(matrix, weights)
+        self.aggregator.load_state_dict(rule.state_dict())
+        return result
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Federated evaluation is off: the server evaluates the global model centrally."""
-        return []
+        """Federated evaluation on ``fraction_evaluate`` of the live nodes (none when it is 0)."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        eligible = self._order(self.liveness.eligible(grid.get_node_ids(), server_round))
+        want = min(len(eligible), max(int(len(eligible) * self.fraction_evaluate + 1e-9), self.min_evaluate_nodes))
+        rng = np.random.default_rng([self.seed, server_round, 0xE7A1])
+        picked = rng.choice(len(eligible), size=want, replace=False) if want else []
+        return [self._message(eligible[i], server_round, arrays, config, MessageType.EVALUATE) for i in sorted(picked)]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Example-weighted mean of the clients' evaluation metrics."""
-        rows = [
-            m.content[protocol.METRICS]
-            for m in replies
-            if not m.has_error() and protocol.METRICS in m.content.metric_records
-        ]
-        total = sum(float(r.get(protocol.NUM_EXAMPLES, 0)) for r in rows)
+        """Example-weighted mean of the clients' evaluation metrics (error replies skipped)."""
+        rows = []
+        for reply in replies:
+            if reply.has_error() or not reply.content.metric_records:
+                continue
+            records = reply.content.metric_records
+            record = records.get(protocol.METRICS) or next(iter(records.values()))
+            count = record.get(self.weighted_by_key)
+            if isinstance(count, int | float) and count > 0:
+                rows.append((record, float(count)))
+        total = sum(count for _, count in rows)
         if not rows or total <= 0:
             return None
-        keys = {k for r in rows for k in r if k != protocol.NUM_EXAMPLES}
+        keys = sorted({k for r, _ in rows for k, v in r.items() if k != self.weighted_by_key and isinstance(v, int | float)})
         return MetricRecord(
-            {k: sum(float(r.get(k, 0.0)) * float(r[protocol.NUM_EXAMPLES]) for r in rows) / total for k in keys}
+            {k: sum(float(r.get(k, 0.0)) * count for r, count in rows) / total for k in keys}  # type: ignore[arg-type]
         )
 
     def summary(self) -> None:
         """Log the strategy's configuration."""
-        c = self.cfg
         log.info(
-            "RobustStrategy: rule=%s pre=%s f=%d clients/round=%d server-opt=%s(lr=%g) "
-            "max-norm=%g weighted=%s",
-            c.aggregator.name,
-            c.aggregator.pre or "-",
-            c.num_byzantine,
-            c.clients_per_round,
-            c.server_optimizer.name,
-            c.server_optimizer.lr,
-            c.validation.max_update_norm,
-            c.validation.weight_by_num_examples,
+            "RobustStrategy: rule=%s f=%d fraction_train=%g min_train_nodes=%d server-opt=%s(lr=%g) "
+            "max-norm=%s signatures=%s checkpoints=%s",
+            self.aggregator.label,
+            self.num_byzantine,
+            self.fraction_train,
+            self.min_train_nodes,
+            self.optimizer.name,
+            self.optimizer.lr,
+            self.max_update_norm,
+            "required" if self.signatures.require else ("checked" if self.signatures.trust else "off"),
+            self.checkpoint_dir or "off",
         )
 
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run the fault-tolerant loop for ``num_rounds`` rounds (or resume it) and return Flower's Result.
+
+        Each round: liveness from ``grid.get_nodes()``, sample, push, pull until quorum or
+        deadline (``round_deadline``, else ``timeout``), validate each reply, aggregate robustly
+        or retry the round, step, evaluate (``evaluate_fn`` and/or federated), roll back a
+        diverged model, checkpoint.
+
+        Raises
+        ------
+        NoNodesError
+            Fewer than ``min_available_nodes`` nodes connected within ``wait_for_nodes``.
+        QuorumError
+            A round stayed below the rule's minimum of valid replies after every retry (a
+            checkpoint of the last completed round is written first).
+        ClientFailureError
+            Every reply of a round failed on the clients with the same error.
+        Preempted
+            :meth:`request_stop` was called (SIGTERM/SIGINT); a checkpoint was written first.
+        """
+        from fedrobust.strategies.round_loop import RoundLoop
+
+        _check(isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}")
+        loop = RoundLoop(
+            self,
+            grid,
+            num_rounds=num_rounds,
+            deadline=self.round_deadline if self.round_deadline is not None else timeout,
+            train_config=train_config or ConfigRecord(),
+            evaluate_config=evaluate_config or ConfigRecord(),
+            evaluate_fn=evaluate_fn,
+        )
+        return loop.run(initial_arrays)
+
     # ------------------------------------------------------------------ validation
-    def _accept(self, server_round: int, replies: Iterable[Message], outcome: RoundOutcome) -> list[ClientUpdate]:
+    def _accept(
+        self, server_round: int, replies: Iterable[Message], sent: Mapping[str, int], outcome: RoundOutcome
+    ) -> list[ClientUpdate]:
         by_node: dict[int, Message] = {}
         for reply in replies:
-            node_id = self.in_flight.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+            node_id = sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             if reply.has_error():
-                outcome.dropped += 1
-                log.info("round %d: node %d dropped (%s)", server_round, node_id, reply.error.reason[:120])
+                outcome.dropped.append(node_id)
+                outcome.client_errors[_first_line(reply.error.reason)] += 1
                 continue
             if node_id in by_node:
                 self._reject(server_round, node_id, outcome, Rejection(DUPLICATE_REPLY, "second reply"))
                 continue
             by_node[node_id] = reply
         parsed = []
-        # A fixed order (by partition) makes aggregation deterministic whatever the arrival order.
-        for node_id in sorted(by_node, key=lambda n: (self.partitions.get(n, -1), n)):
+        # A fixed order makes aggregation deterministic whatever the arrival order.
+        for node_id in self._order(by_node):
             update_or_rejection = self._parse(server_round, node_id, by_node[node_id])
             if isinstance(update_or_rejection, Rejection):
                 self._reject(server_round, node_id, outcome, update_or_rejection)
@@ -253,14 +595,14 @@ class RobustStrategy(Strategy):
         if self.update_hook is not None:
             parsed = self.update_hook(server_round, parsed)
         accepted = []
-        v = self.cfg.validation
+        assert self._global is not None
         for candidate in parsed:
             rejection = check_update(
                 candidate.update,
-                self.global_state,
+                self._global,
                 num_examples=candidate.num_examples,
-                max_norm=v.max_update_norm,
-                max_num_examples=v.max_num_examples,
+                max_norm=self.max_update_norm or 0.0,
+                max_num_examples=self.max_num_examples,
             )
             if rejection is not None:
                 self._reject(server_round, candidate.node_id, outcome, rejection)
@@ -269,69 +611,96 @@ class RobustStrategy(Strategy):
         return accepted
 
     def _parse(self, server_round: int, node_id: int, reply: Message) -> ClientUpdate | Rejection:
-        content = reply.content
-        if protocol.UPDATE not in content.array_records or protocol.METRICS not in content.metric_records:
-            return Rejection(MALFORMED_REPLY, f"records {list(content.keys())}")
-        metrics = content[protocol.METRICS]
-        num_examples = metrics.get(protocol.NUM_EXAMPLES)
-        try:
-            update = dict(content[protocol.UPDATE].to_torch_state_dict())
-        except (ValueError, TypeError, RuntimeError) as err:
-            return Rejection(MALFORMED_REPLY, f"arrays do not load: {err}")
-        if not isinstance(num_examples, int | float):
-            return Rejection(MALFORMED_REPLY, f"{protocol.NUM_EXAMPLES} missing or not a number")
-        if self.verifier is not None:
-            reason = self.verifier(node_id, server_round, content, update, num_examples)
-            if reason is not None:
-                return Rejection(reason, "signature check failed")
+        parsed = parse_reply(reply.content, arrayrecord_key=self.arrayrecord_key, weighted_by_key=self.weighted_by_key)
+        if isinstance(parsed, Rejection):
+            return parsed
+        reason = self.signatures.verify(
+            run_id=self.run_id,
+            node_id=node_id,
+            server_round=server_round,
+            record=parsed.signature,
+            arrays=parsed.arrays,
+            num_examples=parsed.num_examples,
+            partitions=self.partitions,
+        )
+        if reason is not None:
+            return Rejection(reason, "signature check failed")
+        update = self._as_update(parsed)
+        if isinstance(update, Rejection):
+            return update
         return ClientUpdate(
             node_id=node_id,
             partition_id=self.partitions.get(node_id, -1),
             update=update,
-            num_examples=num_examples,
-            metrics={k: float(x) for k, x in metrics.items() if isinstance(x, int | float)},
-            sim_byzantine=bool(metrics.get(protocol.SIM_BYZANTINE, 0)),
+            num_examples=parsed.num_examples,
+            metrics=parsed.metrics,
+            sim_byzantine=parsed.sim_byzantine,
         )
+
+    def _as_update(self, parsed: ParsedReply) -> dict[str, torch.Tensor] | Rejection:
+        """The reply's update: as sent, or its local weights minus the global model sent to it."""
+        if not parsed.full_weights:
+            return parsed.arrays
+        assert self._global is not None
+        # Names, shapes and dtypes first: a difference is only defined between matching tensors.
+        rejection = check_update(
+            parsed.arrays, self._global, num_examples=1, max_norm=0.0, max_num_examples=1
+        )
+        if rejection is not None and rejection.reason not in ("non_finite",):
+            return rejection
+        return {
+            k: v - self._global[k] if v.is_floating_point() else v for k, v in parsed.arrays.items()
+        }
 
     def _reject(self, server_round: int, node_id: int, outcome: RoundOutcome, rejection: Rejection) -> None:
         outcome.rejected[rejection.reason] += 1
+        partition = self.partitions.get(node_id)
+        outcome.rejected_nodes.append(
+            {"node": node_id, "partition": partition, "reason": rejection.reason, "detail": rejection.detail}
+        )
         log.info(
-            "round %d: rejected reply of node %d (partition %s): %s (%s)",
+            "round %d: rejected reply of node %d%s: %s (%s)",
             server_round,
             node_id,
-            self.partitions.get(node_id, "?"),
+            f" (partition {partition})" if partition is not None else "",
             rejection.reason,
             rejection.detail,
         )
-        if self.on_rejection is not None:
-            self.on_rejection(node_id, server_round, rejection.reason)
+        if self.liveness_config.quarantine_after > 0:
+            self.liveness.record_rejection(node_id, server_round, rejection.reason)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Server optimizer and aggregator state, for checkpoints."""
+        """Server optimizer, aggregator, liveness and key-pin state, for checkpoints."""
         opt_tensors, opt_meta = self.optimizer.state_dict()
         tensors = {f"optimizer/{k}": v for k, v in opt_tensors.items()}
         tensors.update({f"aggregator/{k}": v for k, v in self.aggregator.state_dict().items()})
-        return tensors, {"optimizer": opt_meta}
+        meta = {
+            "optimizer": opt_meta,
+            "server_lr": self.optimizer.lr,
+            "liveness": self.liveness.state_dict(),
+            "signatures": self.signatures.state_dict(),
+        }
+        return tensors, meta
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self.optimizer.load_state_dict(_strip(tensors, "optimizer/"), meta["optimizer"])
+        self.optimizer.lr = float(meta.get("server_lr", self.optimizer.lr))
         self.aggregator.load_state_dict(_strip(tensors, "aggregator/"))
+        if "liveness" in meta:
+            self.liveness.load_state_dict(meta["liveness"])
+        self.signatures.load_state_dict(meta.get("signatures", {}))
 
 
 def _strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def _counts(outcome: RoundOutcome) -> dict[str, int]:
-    counts = {
-        "accepted": len(outcome.accepted),
-        "rejected": sum(outcome.rejected.values()),
-        "dropped": outcome.dropped,
-        "aggregated": int(outcome.aggregated),
-    }
-    counts.update({f"rejected.{reason}": n for reason, n in sorted(outcome.rejected.items())})
-    return counts
+def _first_line(text: str) -> str:
+    """The message of a client's error: Flower's reason holds a traceback; its last line says what failed."""
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "unknown error")[:200]
 
 
 def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float]:

@@ -1,46 +1,80 @@
-"""Flower ServerApp: ``flwr run .`` and the deployment engine start here.
+"""fedrobust's own ServerApp: ``flwr run .`` and the deployment engine start here.
 
-The run config (``[tool.flwr.app.config]`` plus ``--run-config`` overrides) is
-turned into a :class:`fedrobust.config.RunConfig`; Hydra experiments build the
-same app with :func:`make_server_app` from their own config.
+It is the first user of the library API: the run config (``[tool.flwr.app.config]`` plus
+``--run-config`` overrides) becomes a :class:`~fedrobust.config.RunConfig`, then a
+:class:`RobustStrategy` (:func:`strategy_from_config`), whose ``start()`` runs the rounds. Hydra
+experiments build the same app with :func:`make_server_app` from their own config.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
+from safetensors.torch import save_file
 
 from fedrobust.config import RunConfig, from_flat
 from fedrobust.run_setup import validate
-from strategies.robust_strategy import UpdateHook
-from strategies.server import run_server
-from strategies.signing_glue import security_for
+from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
+from fedrobust.strategies.from_config import strategy_from_config
+from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
 
 log = logging.getLogger(__name__)
 
 
-def install_stop_handlers(stop: threading.Event) -> bool:
+def install_stop_handlers(request_stop: Callable[[], None]) -> bool:
     """Make SIGTERM and SIGINT ask the round loop to checkpoint and stop.
 
-    Returns False where signals cannot be handled (not the main thread); the
-    process then keeps Python's default behaviour.
+    Returns False where signals cannot be handled (not the main thread); the process then keeps
+    Python's default behaviour.
     """
     if threading.current_thread() is not threading.main_thread():
         return False
 
-    def request_stop(signum: int, _frame: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
         log.warning("received %s: finishing up, writing a checkpoint", signal.Signals(signum).name)
-        stop.set()
+        request_stop()
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     return True
+
+
+def run_experiment(
+    grid: Grid,
+    cfg: RunConfig,
+    out_dir: Path,
+    *,
+    update_hook: UpdateHook | None = None,
+    on_strategy: Callable[[RobustStrategy], None] | None = None,
+    progress: bool = True,
+) -> Result:
+    """Train ``cfg`` on ``grid`` with its strategy; write metrics, the final model and the summary to ``out_dir``.
+
+    ``on_strategy`` sees the strategy before it starts (e.g. to wire a stop request to it).
+    """
+    validate(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "resolved_config.json").write_text(cfg.to_json())
+    strategy = strategy_from_config(cfg, out_dir=out_dir, update_hook=update_hook, progress=progress)
+    if on_strategy is not None:
+        on_strategy(strategy)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial_arrays(cfg),
+        num_rounds=cfg.num_rounds,
+        timeout=cfg.fault.round_timeout,
+        evaluate_fn=central_evaluate_fn(cfg),
+    )
+    state = {k: v.contiguous() for k, v in result.arrays.to_torch_state_dict().items()}
+    save_file(state, str(out_dir / "final_model.safetensors"))
+    return result
 
 
 def make_server_app(
@@ -48,32 +82,23 @@ def make_server_app(
     *,
     out_dir: Path | None = None,
     update_hook: UpdateHook | None = None,
-    stop: threading.Event | None = None,
+    on_strategy: Callable[[RobustStrategy], None] | None = None,
 ) -> ServerApp:
-    """A ServerApp running ``cfg`` (or, when None, the run config Flower passes in)."""
+    """A ServerApp running ``cfg`` (or, when None, the run config Flower passes in).
+
+    When ``on_strategy`` is None the app installs SIGTERM/SIGINT handlers that checkpoint and stop.
+    """
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         run_cfg = cfg if cfg is not None else from_flat(context.run_config)
-        validate(run_cfg)
-        stop_event = stop
-        if stop_event is None:
-            stop_event = threading.Event()
-            install_stop_handlers(stop_event)
-        target = out_dir
-        if target is None:
-            target = Path(run_cfg.output_dir or f"outputs/run-{grid.run.run_id}")
-        target.mkdir(parents=True, exist_ok=True)
-        (target / "resolved_config.json").write_text(run_cfg.to_json())
-        run_server(
-            grid,
-            run_cfg,
-            out_dir=target,
-            update_hook=update_hook,
-            make_security=functools.partial(security_for, run_id=str(grid.run.run_id)),
-            stop=stop_event,
-        )
+        target = out_dir if out_dir is not None else Path(run_cfg.output_dir or f"outputs/run-{grid.run.run_id}")
+        hook = on_strategy
+        if hook is None:
+            def hook(strategy: RobustStrategy) -> None:
+                install_stop_handlers(strategy.request_stop)
+        run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=hook)
 
     return app
 

@@ -11,9 +11,9 @@ import torch
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from clients.client_app import make_client_app
-from clients.signer import private_key_for, signature_record
-from fedrobust import protocol
+from fedrobust import protocol, signing
+from fedrobust.clients.client_app import make_client_app
+from fedrobust.clients.signing_mod import sign_reply
 from fedrobust.config import RunConfig, from_flat
 
 # (partition id, round, reply) -> None; changes the reply in place.
@@ -53,12 +53,12 @@ def tampering_client(cfg: RunConfig, tamper: Tamper, *, resign: set[int] = froze
     def train(msg: Message, context: Context) -> Message:
         reply = honest(msg, context)
         partition = int(context.node_config[protocol.PARTITION_ID])
-        tamper(partition, int(msg.content[protocol.CONFIG][protocol.ROUND]), reply)
+        tamper(partition, int(msg.content[protocol.CONFIG][protocol.SERVER_ROUND]), reply)
         if partition in resign:
-            key = private_key_for(cfg, context, partition)
-            update = dict(reply.content[protocol.UPDATE].to_torch_state_dict())
-            num_examples = int(reply.content[protocol.METRICS][protocol.NUM_EXAMPLES])
-            reply.content[protocol.SIGNATURE] = signature_record(key, msg, context, update, num_examples)
+            key = signing.derive_keypair(cfg.seed, partition)[0]
+            record = sign_reply(key, msg, reply, context)
+            assert record is not None
+            reply.content[protocol.SIGNATURE] = record
         return reply
 
     return app

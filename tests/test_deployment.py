@@ -42,14 +42,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients.signer import private_key_for, signature_record
 from fedrobust import keygen, protocol, signing, tls
+from fedrobust.clients.signing_mod import node_config_key, sign_reply
 from fedrobust.config import from_flat
-from strategies.signing_glue import security_for
+from fedrobust.strategies.from_config import trust_store_for
+from fedrobust.strategies.signatures import SignatureCheck
 from tests.flower_processes import (
     FlowerProcesses,
     Proc,
@@ -359,27 +360,32 @@ def test_server_verification_with_a_keygen_trust_store(tmp_path: Path, monkeypat
         "num_clients": 3, "signing.require": True, "signing.trust_dir": str(tmp_path / "keys" / "trust"),
     })
     partitions = {101: 0, 102: 1, 103: 2}  # node id -> partition id, as the hello query learns them
-    security = security_for(cfg, partitions, run_id="7")
-    assert security.issue_nonce is not None and security.verifier is not None
+    check = SignatureCheck(trust_store_for(cfg), require=cfg.signing.require)
     update = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)}
 
-    def reply(node_id: int, key_file: Path | None, server_round: int = 1) -> RecordDict:
-        """What node ``node_id`` sends back for a train message of ``server_round``."""
-        nonce = security.issue_nonce(node_id, server_round)
+    def reply(node_id: int, key_file: Path | None, server_round: int = 1) -> ConfigRecord | None:
+        """The signature record node ``node_id``'s signing mod adds to its reply in ``server_round``."""
+        nonce = check.nonce(node_id, server_round)
         msg = Message(
-            RecordDict({protocol.CONFIG: ConfigRecord({protocol.ROUND: server_round, protocol.NONCE: nonce})}),
+            RecordDict({protocol.CONFIG: ConfigRecord({protocol.SERVER_ROUND: server_round, protocol.NONCE: nonce})}),
             dst_node_id=node_id, message_type=MessageType.TRAIN,
         )
         node_config = {protocol.PARTITION_ID: partitions[node_id], "num-partitions": 3}
         if key_file is not None:
             node_config["signing-key"] = str(key_file)
         context = Context(run_id=7, node_id=node_id, node_config=node_config, state=RecordDict(), run_config={})
-        key = private_key_for(cfg, context, partitions[node_id])
-        assert key is not None
-        return RecordDict({protocol.SIGNATURE: signature_record(key, msg, context, update, 40)})
+        answer = Message(
+            RecordDict({protocol.UPDATE: ArrayRecord(update), protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: 40})}),
+            reply_to=msg,
+        )
+        key = node_config_key(context)
+        return sign_reply(key, msg, answer, context) if key is not None else None
 
-    def verify(node_id: int, content: RecordDict, server_round: int = 1, arrays: dict | None = None) -> str | None:
-        return security.verifier(node_id, server_round, content, update if arrays is None else arrays, 40)
+    def verify(node_id: int, record: ConfigRecord | None, server_round: int = 1, arrays: dict | None = None) -> str | None:
+        return check.verify(
+            run_id=7, node_id=node_id, server_round=server_round, record=record,
+            arrays=update if arrays is None else arrays, num_examples=40, partitions=partitions,
+        )
 
     keys = tmp_path / "keys"
     honest = reply(101, keys / "client-0.key")
@@ -389,10 +395,10 @@ def test_server_verification_with_a_keygen_trust_store(tmp_path: Path, monkeypat
         signing.REASON_WRONG_ROUND_OR_NONCE  # a round-1 reply presented in round 2
     )
     assert verify(102, reply(102, rogue)) == signing.REASON_UNKNOWN_KEY  # the forger of the process test
-    assert verify(102, reply(102, None)) == signing.REASON_UNKNOWN_KEY  # no signing-key: a seed-derived key
+    assert verify(102, reply(102, None)) == signing.REASON_MISSING_SIGNATURE  # no signing-key: unsigned
     # Partition 1's key on the device that said it holds partition 2: a copied key is refused.
     assert verify(103, reply(103, keys / "client-1.key")) == signing.REASON_KEY_BOUND_TO_OTHER_NODE
-    assert verify(103, RecordDict({})) == signing.REASON_MISSING_SIGNATURE
+    assert verify(103, None) == signing.REASON_MISSING_SIGNATURE
     signed = reply(103, keys / "client-2.key")
     tampered = {k: v + 1 for k, v in update.items()}
     assert verify(103, signed, arrays=tampered) == signing.REASON_BAD_SIGNATURE  # changed after signing

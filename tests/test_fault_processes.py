@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from strategies.server import EXIT_PREEMPTED
+from fedrobust.strategies.errors import EXIT_PREEMPTED
 from tests.flower_processes import Proc, descendants, stop
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from flwr.simulation import run_simulation
 
 from fedrobust import protocol
 from fedrobust.config import RunConfig
-from strategies.server import QuorumError
-from strategies.server_app import make_server_app
+from fedrobust.strategies.errors import QuorumError
+from fedrobust.strategies.server_app import make_server_app
 from tests.simulation_helpers import read_rows, replace_update, small_config, tampering_client
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,56 @@
+"""Which partition each node holds, learned through a query the node answers once (simulation convenience).
+
+Node ids are random per run; ordering nodes by the partition they hold makes sampling and
+aggregation order, and so the final model bytes, the same in every run of one config. Only
+ClientApps with a query handler that answers ``partition-id`` (fedrobust's own) take part; a
+strategy without ``discover_partitions`` never sends the query.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedrobust import protocol
+from fedrobust.strategies.collect import POLL_SECONDS
+
+
+class Discovery:
+    """Asks each new node once for its partition id; answers may come in any later call.
+
+    A question stays pending until its node answers, so a node is never asked twice while a
+    question is open (on a SuperNode every message starts a ClientApp process). Error answers
+    (e.g. NODE_UNAVAILABLE) close the question, so the node is asked again once it is back.
+    """
+
+    def __init__(self, grid: Grid, partitions: dict[int, int]) -> None:
+        self.grid = grid
+        self.partitions = partitions
+        self.pending: dict[str, int] = {}  # query message id -> node id
+
+    def poll(self, *, needed: int = 0, wait: float = 0.0) -> None:
+        """Ask new nodes, take answers in; wait at most ``wait`` s until ``needed`` partitions are known."""
+        deadline = time.monotonic() + wait
+        while True:
+            asked = set(self.pending.values())
+            unknown = [n for n in sorted(self.grid.get_node_ids()) if n not in self.partitions and n not in asked]
+            if unknown:
+                queries = [
+                    Message(RecordDict({protocol.CONFIG: ConfigRecord({})}), message_type=MessageType.QUERY, dst_node_id=n)
+                    for n in unknown
+                ]
+                ids = [str(i) for i in self.grid.push_messages(queries)]
+                self.pending.update({mid: n for mid, n in zip(ids, unknown) if mid})
+            if self.pending:
+                for reply in self.grid.pull_messages(list(self.pending)):
+                    node = self.pending.pop(reply.metadata.reply_to_message_id, None)
+                    if node is None or reply.has_error() or protocol.INFO not in reply.content.config_records:
+                        continue
+                    partition = reply.content[protocol.INFO].get(protocol.PARTITION_ID)
+                    if isinstance(partition, int):
+                        self.partitions[node] = partition
+            if len(self.partitions) >= needed or time.monotonic() >= deadline:
+                return
+            time.sleep(POLL_SECONDS)

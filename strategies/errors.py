@@ -1,0 +1,31 @@
+"""Why a run stopped before its last round, and the exit code that says "run me again"."""
+
+from __future__ import annotations
+
+# Exit code of a process stopped by SIGTERM/SIGINT after writing its checkpoint (EX_TEMPFAIL):
+# run the same command again to continue.
+EXIT_PREEMPTED = 75
+
+
+class QuorumError(RuntimeError):
+    """A round could not gather enough valid replies within its retries (or the model kept diverging)."""
+
+
+class ClientFailureError(QuorumError):
+    """Every reply of a round failed on the clients, all with the same error: retrying cannot help."""
+
+
+class NoNodesError(QuorumError):
+    """Not enough nodes connected within the wait: nothing could be trained."""
+
+
+class Preempted(RuntimeError):
+    """The run was asked to stop (SIGTERM/SIGINT).
+
+    ``checkpointed`` tells whether a checkpoint of the last completed round exists, i.e. whether
+    running the same command again continues instead of starting over.
+    """
+
+    def __init__(self, message: str, *, checkpointed: bool = False) -> None:
+        super().__init__(message)
+        self.checkpointed = checkpointed

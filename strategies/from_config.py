@@ -1,0 +1,90 @@
+"""Build a :class:`RobustStrategy` from a :class:`~fedrobust.config.RunConfig` (Hydra and ``flwr run`` paths).
+
+The experiments and the shipped ServerApp describe a run with one RunConfig; this is the only
+place that turns it into the library's keyword arguments, so both paths run the same strategy a
+user would build by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from fedrobust import signing
+from fedrobust.config import RunConfig
+from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
+
+
+def run_settings(cfg: RunConfig) -> dict[str, Any]:
+    """The settings a checkpoint must agree with to be resumed.
+
+    Settings that do not change what is computed (where checkpoints and outputs go, deadlines,
+    simulation resources) and the number of rounds (a run may be extended) are left out.
+    """
+    values = dataclasses.asdict(cfg)
+    for key in ("checkpoint", "output_dir", "num_rounds", "fault", "simulation"):
+        values.pop(key)
+    return values
+
+
+def trust_store_for(cfg: RunConfig) -> signing.TrustStore | None:
+    """The trust store of deployment (``signing.trust_dir``), the per-run derived keys of a signed
+    simulation, or None when signatures are not checked."""
+    if cfg.signing.trust_dir:
+        return signing.TrustStore.load(cfg.signing.trust_dir)
+    if cfg.signing.require:
+        return signing.TrustStore.for_simulation(cfg.seed, range(cfg.num_clients))
+    return None
+
+
+def strategy_from_config(
+    cfg: RunConfig,
+    *,
+    out_dir: Path | None = None,
+    update_hook: UpdateHook | None = None,
+    progress: bool = True,
+) -> RobustStrategy:
+    """The strategy ``cfg`` describes; metrics go to ``out_dir/metrics.jsonl`` when given."""
+    return RobustStrategy(
+        aggregator=cfg.aggregator.name,
+        num_byzantine=cfg.num_byzantine,
+        pre=[{"name": p, **cfg.aggregator.pre_params.get(p, {})} for p in cfg.pre_aggregators()],
+        aggregator_params=cfg.aggregator.params,
+        fraction_train=cfg.clients_per_round / cfg.num_clients,
+        min_train_nodes=cfg.clients_per_round,
+        min_available_nodes=cfg.clients_per_round,
+        fraction_evaluate=0.0,
+        weight_by_num_examples=cfg.validation.weight_by_num_examples,
+        server_optimizer=cfg.server_optimizer.name,
+        server_lr=cfg.server_optimizer.lr,
+        server_optimizer_params={
+            "momentum": cfg.server_optimizer.momentum,
+            "beta_1": cfg.server_optimizer.beta_1,
+            "beta_2": cfg.server_optimizer.beta_2,
+            "tau": cfg.server_optimizer.tau,
+        },
+        max_update_norm=cfg.validation.max_update_norm or None,
+        max_num_examples=cfg.validation.max_num_examples,
+        round_deadline=cfg.fault.round_timeout,
+        max_round_retries=cfg.fault.max_round_retries,
+        over_select=cfg.fault.over_select,
+        wait_for_nodes=cfg.fault.wait_for_nodes,
+        liveness=cfg.liveness,
+        divergence_factor=cfg.guard.divergence_factor,
+        lr_decay=cfg.guard.lr_decay,
+        checkpoint_dir=cfg.checkpoint.dir or None,
+        checkpoint_every=cfg.checkpoint.every_rounds,
+        checkpoint_every_seconds=cfg.checkpoint.every_seconds,
+        checkpoint_keep=cfg.checkpoint.keep,
+        resume=cfg.checkpoint.resume,
+        force_resume=cfg.checkpoint.force_resume,
+        signing=trust_store_for(cfg),
+        require_signatures=cfg.signing.require,
+        seed=cfg.seed,
+        discover_partitions=True,
+        metrics_path=out_dir / "metrics.jsonl" if out_dir is not None else None,
+        progress=progress,
+        update_hook=update_hook,
+        settings={"run": run_settings(cfg)},
+    )

@@ -1,0 +1,71 @@
+"""Take a training reply apart: which arrays it carries, in which convention, and its num-examples.
+
+Two conventions are accepted, so that any ClientApp works unchanged:
+
+- **Flower's**: the reply's ArrayRecord (``arrays``, or the only ArrayRecord) holds the client's
+  full local weights; the update is computed on the server against the global model it sent.
+- **fedrobust's**: an ArrayRecord ``update`` holds the update (local minus global) itself.
+
+Either way the metrics come from the MetricRecord ``metrics`` (or the only MetricRecord), with the
+example count under ``weighted_by_key`` (``num-examples``), as Flower's FedAvg reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from flwr.app import ConfigRecord, RecordDict
+
+from fedrobust import protocol
+from fedrobust.validation import Rejection
+
+MALFORMED_REPLY = "malformed_reply"
+
+
+@dataclass
+class ParsedReply:
+    """The parts of one reply the strategy validates, still as the client sent them."""
+
+    arrays: dict[str, torch.Tensor]
+    full_weights: bool  # Flower's convention: local weights, not an update
+    num_examples: float
+    metrics: dict[str, float]
+    signature: ConfigRecord | None
+    # Simulation-only marker of a Byzantine sender (see fedrobust.protocol.SIM_BYZANTINE).
+    sim_byzantine: bool = False
+
+
+def parse_reply(content: RecordDict, *, arrayrecord_key: str, weighted_by_key: str) -> ParsedReply | Rejection:
+    """Find the arrays, metrics and signature of a training reply, or say why it is malformed."""
+    array_records = content.array_records
+    if protocol.UPDATE in array_records:
+        record, full_weights = array_records[protocol.UPDATE], False
+    elif arrayrecord_key in array_records:
+        record, full_weights = array_records[arrayrecord_key], True
+    elif len(array_records) == 1:
+        record, full_weights = next(iter(array_records.values())), True
+    else:
+        return Rejection(MALFORMED_REPLY, f"no ArrayRecord {arrayrecord_key!r} or {protocol.UPDATE!r}: {list(content)}")
+    metric_records = content.metric_records
+    if protocol.METRICS in metric_records:
+        metrics = metric_records[protocol.METRICS]
+    elif len(metric_records) == 1:
+        metrics = next(iter(metric_records.values()))
+    else:
+        return Rejection(MALFORMED_REPLY, f"no MetricRecord {protocol.METRICS!r}: {list(content)}")
+    num_examples = metrics.get(weighted_by_key)
+    if isinstance(num_examples, bool) or not isinstance(num_examples, int | float):
+        return Rejection(MALFORMED_REPLY, f"{weighted_by_key!r} missing or not a number")
+    try:
+        arrays = dict(record.to_torch_state_dict())
+    except (ValueError, TypeError, RuntimeError, KeyError) as err:
+        return Rejection(MALFORMED_REPLY, f"arrays do not load: {err}")
+    return ParsedReply(
+        arrays=arrays,
+        full_weights=full_weights,
+        num_examples=num_examples,
+        metrics={k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+        signature=content.config_records.get(protocol.SIGNATURE),
+        sim_byzantine=bool(metrics.get(protocol.SIM_BYZANTINE, 0)),
+    )

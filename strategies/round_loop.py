@@ -1,0 +1,335 @@
+"""The fault-tolerant loop behind :meth:`RobustStrategy.start`, top to bottom.
+
+Resume from the latest valid checkpoint; wait (bounded) for nodes; then, round by round: refresh
+liveness from Flower's node list, sample, push, pull until quorum or deadline (never one blocking
+``send_and_receive``), validate each reply on its own, aggregate robustly or retry the round,
+evaluate, roll back a diverged model, report, checkpoint. Flower's ``Result`` comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from fedrobust.strategies.checkpointing import GuardState, RoundCheckpointer, model_is_finite
+from fedrobust.strategies.collect import push_and_collect
+from fedrobust.strategies.discovery import Discovery
+from fedrobust.strategies.errors import ClientFailureError, NoNodesError, Preempted, QuorumError
+from fedrobust.strategies.reporting import MetricsLog
+
+if TYPE_CHECKING:
+    from fedrobust.strategies.robust_strategy import RobustStrategy, RoundOutcome
+
+log = logging.getLogger(__name__)
+
+EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
+
+
+class RoundLoop:
+    """One run of a :class:`RobustStrategy` on a grid (built and run by ``strategy.start()``)."""
+
+    def __init__(
+        self,
+        strategy: RobustStrategy,
+        grid: Grid,
+        *,
+        num_rounds: int,
+        deadline: float,
+        train_config: ConfigRecord,
+        evaluate_config: ConfigRecord,
+        evaluate_fn: EvaluateFn | None,
+    ) -> None:
+        self.strategy = strategy
+        self.grid = grid
+        self.num_rounds = num_rounds
+        self.deadline = deadline
+        self.train_config = train_config
+        self.evaluate_config = evaluate_config
+        self.evaluate_fn = evaluate_fn
+        s = strategy
+        self.checkpointer = RoundCheckpointer(
+            s.checkpoint_dir,
+            settings=s.settings,
+            every_rounds=s.checkpoint_every,
+            every_seconds=s.checkpoint_every_seconds,
+            keep=s.checkpoint_keep,
+            resume=s.resume,
+            force=s.force_resume,
+        )
+        self.metrics = MetricsLog(s.metrics_path, num_rounds, echo=s.progress)
+        self.discovery = Discovery(grid, s.partitions) if s.discover_partitions else None
+        self.guard = GuardState()
+        self.result = Result()
+
+    # ------------------------------------------------------------------ the run
+    def run(self, initial_arrays: ArrayRecord) -> Result:
+        started = time.perf_counter()
+        s = self.strategy
+        s.summary()
+        arrays = initial_arrays
+        first_round = 1
+        resumed = self.checkpointer.restore()
+        if resumed is not None:
+            arrays = ArrayRecord(resumed.global_state)
+            s.load_state_dict(resumed.strategy_tensors, resumed.strategy_meta)
+            self.guard = resumed.guard
+            self.metrics.restore(resumed.rows)
+            for row in resumed.rows:
+                self._record(row)
+            first_round = resumed.round + 1
+            self.metrics.say(f"resumed after round {resumed.round} from {self.checkpointer.url}")
+        elif self.evaluate_fn is not None:
+            initial = self.evaluate_fn(0, arrays)
+            if initial is not None:
+                self.result.evaluate_metrics_serverapp[0] = initial
+        s.optimizer.lr = s.server_lr * self.guard.lr_scale
+        self.result.arrays = arrays
+        try:
+            if first_round <= self.num_rounds:
+                self._wait_for_nodes()
+            arrays = self._rounds(arrays, first_round)
+        except (Preempted, QuorumError) as stopped:
+            last = self.metrics.rows[-1]["round"] if self.metrics.rows else 0
+            saved = last > 0 and self.checkpointer.save(
+                last, self._state_of(self.result.arrays), s.state_dict(), self.metrics.rows, self.guard, wait=True
+            )
+            if isinstance(stopped, Preempted):
+                stopped.checkpointed = bool(saved)
+            raise
+        finally:
+            self.checkpointer.close()
+        self.result.arrays = arrays
+        self.metrics.finish(time.perf_counter() - started)
+        return self.result
+
+    def _rounds(self, arrays: ArrayRecord, first_round: int) -> ArrayRecord:
+        s = self.strategy
+        server_round, rollbacks_this_round = first_round, 0
+        while server_round <= self.num_rounds:
+            if s.stop_requested:
+                raise Preempted(f"stopped before round {server_round}")
+            before = (arrays, _copy_state(s.state_dict()))
+            row, new_arrays = self._train_round(arrays, server_round)
+            row.update(self._evaluate(server_round, new_arrays))
+            if self._diverged(new_arrays, row):
+                arrays, state = before
+                s.load_state_dict(*state)
+                self._roll_back(server_round, row)
+                rollbacks_this_round += 1
+                if rollbacks_this_round > s.max_round_retries:
+                    raise QuorumError(f"round {server_round}: the model diverged {rollbacks_this_round} times")
+                continue  # the same round again, from the state before it, with a lower server lr
+            rollbacks_this_round = 0
+            arrays = new_arrays
+            self.result.arrays = arrays
+            if isinstance(row.get("loss"), float) and math.isfinite(row["loss"]):
+                self.guard.best_loss = min(self.guard.best_loss, row["loss"])
+            row["rollbacks"] = self.guard.rollbacks
+            row["liveness"] = s.liveness.snapshot()
+            if self.checkpointer.due(server_round) or server_round == self.num_rounds:
+                t0 = time.perf_counter()
+                self.checkpointer.save(
+                    server_round, self._state_of(arrays), s.state_dict(), [*self.metrics.rows, row], self.guard
+                )
+                row["seconds_checkpoint_blocking"] = time.perf_counter() - t0
+            self.metrics.add(row)
+            self._record(row)
+            server_round += 1
+        return arrays
+
+    # ------------------------------------------------------------------ one round
+    def _wait_for_nodes(self) -> None:
+        """Wait at most ``wait_for_nodes`` s for ``min_available_nodes``, saying how many are there."""
+        s = self.strategy
+        need = max(s.min_available_nodes, s.min_train_nodes)
+        deadline = time.monotonic() + s.wait_for_nodes
+        last_said = -1
+        while True:
+            have = len(list(self.grid.get_node_ids()))
+            if self.discovery is not None:
+                self.discovery.poll()
+                have = len(s.partitions)
+            if have >= need:
+                break
+            if time.monotonic() >= deadline:
+                raise NoNodesError(
+                    f"{have} of the {need} nodes needed (min_available_nodes) connected within "
+                    f"{s.wait_for_nodes:.0f} s; nothing was trained. Start more nodes or lower min_available_nodes."
+                )
+            if have != last_said:
+                self.metrics.say(f"waiting for nodes: {have} of {need} connected")
+                last_said = have
+            time.sleep(0.2)
+        if self.discovery is not None:
+            self.discovery.poll(needed=len(list(self.grid.get_node_ids())), wait=min(s.wait_for_nodes, 30.0))
+
+    def _train_round(self, arrays: ArrayRecord, server_round: int) -> tuple[dict[str, Any], ArrayRecord]:
+        """One round, retried while too few valid replies came in; raises after the last try."""
+        s = self.strategy
+        t0 = time.perf_counter()
+        outcome: RoundOutcome | None = None
+        attempts = 0
+        for attempt in range(s.max_round_retries + 1):
+            attempts = attempt + 1
+            if self.discovery is not None:
+                self.discovery.poll()
+            messages = s.train_messages(server_round, arrays, ConfigRecord(dict(self.train_config)), self.grid, attempt=attempt)
+            target = s.planned_replies
+            sent, replies = push_and_collect(
+                self.grid,
+                messages,
+                timeout=self.deadline,
+                enough=lambda got: sum(not r.has_error() for r in got) >= target,
+            )
+            outcome = s.aggregate_round(server_round, replies, sent)
+            outcome.sampled = len(messages)
+            answered = {r.metadata.reply_to_message_id for r in replies}
+            outcome.dropped.extend(node for mid, node in sent.items() if mid not in answered)  # missed the deadline
+            self._record_liveness(sent, replies, server_round)
+            if outcome.aggregated:
+                break
+            if not messages:
+                outcome.why_not_aggregated = "no eligible node to sample"
+            self._say_not_aggregated(outcome, attempt)
+            if outcome.client_errors and not outcome.accepted and not outcome.rejected and len(outcome.client_errors) == 1:
+                message, count = next(iter(outcome.client_errors.items()))
+                if count == len(sent):
+                    raise ClientFailureError(
+                        f"round {server_round}: all {count} replies failed on the clients: {message}"
+                    )
+        assert outcome is not None
+        if not outcome.aggregated or outcome.arrays is None:
+            raise QuorumError(
+                f"round {server_round}: not aggregated after {attempts} attempts ({outcome.why_not_aggregated})"
+                + _errors_text(outcome)
+            )
+        return self._row(outcome, attempts, time.perf_counter() - t0), outcome.arrays
+
+    def _say_not_aggregated(self, outcome: RoundOutcome, attempt: int) -> None:
+        self.metrics.say(
+            f"round {outcome.round} attempt {attempt + 1} not aggregated: {outcome.why_not_aggregated}"
+            + _errors_text(outcome)
+        )
+
+    def _row(self, outcome: RoundOutcome, attempts: int, seconds: float) -> dict[str, Any]:
+        s = self.strategy
+        return {
+            "round": outcome.round,
+            "sampled": outcome.sampled,
+            "accepted": len(outcome.accepted),
+            "rejected": dict(sorted(outcome.rejected.items())),
+            "rejected_nodes": outcome.rejected_nodes,
+            "dropped": len(outcome.dropped),
+            "dropped_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.dropped)],
+            "client_errors": dict(outcome.client_errors),
+            "quarantined": sorted(n for n in s.liveness.known_nodes() if s.liveness.status(n) == "quarantined"),
+            "aggregated": outcome.aggregated,
+            "attempts": attempts,
+            "f_used": outcome.f_used,
+            "seconds_train": seconds - outcome.seconds_aggregate,
+            "seconds_aggregate": outcome.seconds_aggregate,
+            **outcome.train_metrics,
+        }
+
+    def _record_liveness(self, sent: dict[str, int], replies: list[Message], server_round: int) -> None:
+        answered = {r.metadata.reply_to_message_id: r for r in replies}
+        for message_id, node_id in sorted(sent.items(), key=lambda kv: kv[1]):
+            reply = answered.get(message_id)
+            if reply is None or reply.has_error():
+                self.strategy.liveness.record_miss(node_id, server_round)
+            else:
+                self.strategy.liveness.record_reply(node_id, server_round)
+
+    def _evaluate(self, server_round: int, arrays: ArrayRecord) -> dict[str, Any]:
+        """Central (``evaluate_fn``) and federated evaluation of the round's model."""
+        s = self.strategy
+        out: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        if self.evaluate_fn is not None:
+            metrics = self.evaluate_fn(server_round, arrays)
+            if metrics is not None:
+                out.update({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+        messages = list(s.configure_evaluate(server_round, arrays, ConfigRecord(dict(self.evaluate_config)), self.grid))
+        if messages:
+            _, replies = push_and_collect(self.grid, messages, timeout=self.deadline)
+            federated = s.aggregate_evaluate(server_round, replies)
+            if federated is not None:
+                out["federated_evaluate"] = {k: float(v) for k, v in federated.items() if isinstance(v, int | float)}
+        out["seconds_evaluate"] = time.perf_counter() - t0
+        return out
+
+    def _diverged(self, arrays: ArrayRecord, row: dict[str, Any]) -> bool:
+        if not model_is_finite(self._state_of(arrays)):
+            return True
+        loss = row.get("loss")
+        if loss is None:
+            return False
+        if not math.isfinite(loss):
+            return True
+        factor = self.strategy.divergence_factor
+        return factor > 0 and math.isfinite(self.guard.best_loss) and loss > factor * self.guard.best_loss
+
+    def _roll_back(self, server_round: int, row: dict[str, Any]) -> None:
+        """Count the rollback and lower the server learning rate (the state was restored by the caller)."""
+        s = self.strategy
+        self.guard.rollbacks += 1
+        self.guard.lr_scale *= s.lr_decay
+        s.optimizer.lr = s.server_lr * self.guard.lr_scale
+        self.metrics.say(
+            f"round {server_round} diverged (loss {row.get('loss', float('nan')):.4g}, best {self.guard.best_loss:.4g}): "
+            f"rolled back, server lr now {s.optimizer.lr:.4g}"
+        )
+
+    # ------------------------------------------------------------------ Result
+    def _record(self, row: dict[str, Any]) -> None:
+        """Put one round's metrics into Flower's Result."""
+        r = row["round"]
+        train = {k: row[k] for k in ("accepted", "dropped", "attempts", "f_used") if k in row}
+        train["rejected"] = sum(row.get("rejected", {}).values())
+        train.update({f"rejected.{k}": v for k, v in row.get("rejected", {}).items()})
+        train.update({k: v for k, v in row.items() if k.startswith("train_")})
+        self.result.train_metrics_clientapp[r] = MetricRecord(train)
+        central = {k: v for k, v in row.items() if k in _central_keys(row)}
+        if central:
+            self.result.evaluate_metrics_serverapp[r] = MetricRecord(central)
+        if row.get("federated_evaluate"):
+            self.result.evaluate_metrics_clientapp[r] = MetricRecord(row["federated_evaluate"])
+
+    @staticmethod
+    def _state_of(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+        return dict(arrays.to_torch_state_dict())
+
+
+# Row keys the loop writes itself; every other number in a row came from evaluate_fn.
+_OWN_KEYS = frozenset(
+    {
+        "round", "sampled", "accepted", "rejected", "rejected_nodes", "dropped", "dropped_nodes", "client_errors",
+        "quarantined", "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
+        "seconds_checkpoint_blocking", "rollbacks", "liveness", "federated_evaluate",
+    }
+)
+
+
+def _central_keys(row: dict[str, Any]) -> list[str]:
+    return [k for k, v in row.items() if k not in _OWN_KEYS and not k.startswith("train_") and isinstance(v, int | float)]
+
+
+def _copy_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors, meta = state
+    return {k: v.clone() for k, v in tensors.items()}, meta
+
+
+def _errors_text(outcome: RoundOutcome) -> str:
+    if not outcome.client_errors:
+        return ""
+    total = sum(outcome.client_errors.values())
+    parts = "; ".join(f"{n}x {msg}" for msg, n in outcome.client_errors.most_common(3))
+    return f"; {total} of {outcome.sampled} replies failed on the clients: {parts}"

@@ -1,0 +1,84 @@
+"""Server side of signed updates: a fresh nonce in every message, and each reply's signature checked.
+
+The cryptography lives in :mod:`fedrobust.signing`; here the Flower records are taken apart. The
+server always issues nonces, so a client that holds a key can always sign; whether an unsigned
+reply is refused is the only thing ``require`` decides. A signed reply whose key, key binding,
+round, nonce or signature is wrong is rejected with that reason before anything else looks at it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord
+
+from fedrobust import protocol, signing
+
+
+class SignatureCheck:
+    """Issues nonces and verifies reply signatures against a trust store.
+
+    Parameters
+    ----------
+    trust : TrustStore or None
+        Trusted client keys; None: signatures are not checked (nonces are still issued and a
+        repeated delivery of one reply is still refused).
+    require : bool
+        Refuse unsigned replies (only with a trust store).
+    """
+
+    def __init__(self, trust: signing.TrustStore | None, *, require: bool = True) -> None:
+        self.trust = trust
+        self.require = require and trust is not None
+        self.guard = signing.ReplayGuard(keep_rounds=2)
+        self._message_numbers = itertools.count()
+
+    def nonce(self, node_id: int, server_round: int) -> bytes:
+        """A fresh nonce for the message to ``node_id`` in ``server_round``."""
+        return self.guard.issue(next(self._message_numbers), node_id, server_round)
+
+    def verify(
+        self,
+        *,
+        run_id: int | str,
+        node_id: int,
+        server_round: int,
+        record: ConfigRecord | None,
+        arrays: Mapping[str, torch.Tensor],
+        num_examples: float,
+        partitions: Mapping[int, int],
+    ) -> str | None:
+        """None when the reply may go on to validation, else the rejection reason."""
+        nonce = record.get(protocol.NONCE) if record is not None else None
+        if self.trust is None:
+            return self.guard.consume(nonce, node_id, server_round) if nonce is not None else None
+        key_id = record.get(protocol.KEY_ID) if record is not None else None
+        # A key registered for one partition (simulation, or a trust store written with partition
+        # ids) must not sign for a node that holds another one.
+        claimed = self.trust.partition_id(key_id) if isinstance(key_id, str) else None
+        if claimed is not None and node_id in partitions and claimed != partitions[node_id]:
+            return signing.REASON_KEY_BOUND_TO_OTHER_NODE
+        return signing.verify_reply(
+            self.trust,
+            self.guard,
+            key_id=key_id if isinstance(key_id, str) else None,
+            signature=record.get(protocol.SIG) if record is not None else None,
+            run_id=run_id,
+            round=server_round,
+            node_id=node_id,
+            nonce=nonce,
+            num_examples=int(num_examples) if float(num_examples).is_integer() else num_examples,
+            arrays=dict(arrays),
+            require_signature=self.require,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Key pins (which node first used which key), so a resumed server keeps them."""
+        return {"trust": self.trust.state_dict()} if self.trust is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.trust is not None and "trust" in state:
+            self.trust.load_state_dict(state["trust"])
