@@ -46,6 +46,9 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("mimic", {"target": 2}),
     ("min_max", {"perturbation": "unit_vec"}),
     ("min_sum", {"perturbation": "sign"}),
+    ("fang_trimmed_mean", {"b": 4.0}),
+    ("optimal_alie", {"rule": "krum", "grid": 5, "refine": 3}),
+    ("optimal_ipm", {"rule": "centered_clipping", "rule_f": 2, "rule_params": {"tau": "auto"}}),
 ]
 CONFIGS = [(name, {}) for name in attacks.names()] + VARIANTS
 CLIENT_CONFIGS = [(name, params) for name, params in CONFIGS if name in CLIENT]
@@ -66,6 +69,16 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "mimic": [("target", -1), ("target", 2.0)],
     "min_max": [("perturbation", "gaussian")],
     "min_sum": [("perturbation", None)],
+    "fang_krum": [("threshold", 0.0), ("threshold", math.inf)],
+    "fang_trimmed_mean": [("b", 1.0), ("b", 0.5)],
+    "optimal_alie": [
+        ("rule", "kurm"), ("rule_f", -1), ("rule_params", {"tau": 1.0}), ("max_scale", 0.0), ("grid", 1),
+        ("refine", -1),
+    ],
+    "optimal_ipm": [
+        ("rule", None), ("rule_f", 1.5), ("rule_params", [1]), ("max_scale", math.nan), ("grid", 2.0),
+        ("refine", True),
+    ],
 }
 
 

@@ -28,7 +28,9 @@ from fedrobust.attacks.client import (
     Stale,
     Zero,
 )
+from fedrobust.attacks.fang import FangKrum, FangTrimmedMean
 from fedrobust.attacks.omniscient import ALIE, IPM, MinMax, MinSum, Mimic, alie_z
+from fedrobust.attacks.optimal import OptimalALIE, OptimalIPM
 
 __all__ = ["Attack", "alie_z", "build", "client_names", "names", "omniscient_names"]
 
@@ -36,7 +38,7 @@ _REGISTRY: dict[str, type[Attack]] = {
     cls.name: cls
     for cls in (
         SignFlip, Scaled, Gaussian, Zero, NaNFill, InfFill, LabelFlip, RandomUniform, Malformed, Stale,
-        LyingWeight, ALIE, IPM, Mimic, MinMax, MinSum,
+        LyingWeight, ALIE, IPM, Mimic, MinMax, MinSum, FangKrum, FangTrimmedMean, OptimalALIE, OptimalIPM,
     )
 }
 

@@ -1,0 +1,216 @@
+"""ALIE and IPM with their scale tuned against the aggregation rule in use (ByzFL's Optimal_ALIE / Optimal_IPM).
+
+An omniscient adversary who also knows the server's rule can pick the scale (ALIE's ``z``, IPM's
+``epsilon``) that moves the rule's output farthest from the honest mean, instead of a fixed formula.
+The objective ``||rule([honest; byzantine]) - mean(honest)||`` is evaluated on a grid of scales in
+``[0, max_scale]`` plus the attack's default scale, then refined by golden-section search on the grid
+cell on each side of the best grid point. The best scale seen is used, so the result moves the rule's
+output at least as far as the default scale and every grid point. ByzFL searches with an expanding,
+then contracting line search from 0; a fixed grid plus golden section gives the same kind of answer
+with a bounded, predictable number of aggregations (``grid + 1 + refine``).
+
+Each evaluation builds the rule afresh with :func:`fedrobust.aggregators.build`, so a stateful rule
+(centered clipping's center, DnC's generator) starts from its initial state every time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from fedrobust import aggregators
+from fedrobust.attacks.base import Attack, check_int, check_real
+from fedrobust.attacks.omniscient import _centre, _check_input, _repeat, alie_z
+
+__all__ = ["OptimalALIE", "OptimalIPM", "maximize_scale"]
+
+logger = logging.getLogger(__name__)
+
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+def maximize_scale(objective: Callable[[float], float], *, default: float, max_scale: float, grid: int,
+                   refine: int) -> tuple[float, float]:
+    """Best-effort maximizer of ``objective`` on ``[0, max_scale]``: ``(scale, value)``.
+
+    ``grid`` evenly spaced points from 0 to ``max_scale`` and ``default`` are evaluated; then ``refine``
+    golden-section steps search the two grid cells around the best of them. Ties keep the smaller scale.
+    """
+    seen: dict[float, float] = {}
+
+    def value(scale: float) -> float:
+        if scale not in seen:
+            seen[scale] = objective(scale)
+        return seen[scale]
+
+    points = [max_scale * i / (grid - 1) for i in range(grid)] if grid > 1 else [0.0]
+    for scale in sorted({*points, default}):
+        value(scale)
+    best = max(sorted(seen), key=lambda s: seen[s])  # max() keeps the first (smallest) on ties
+    step = max_scale / (grid - 1) if grid > 1 else max_scale
+    lo, hi = max(0.0, best - step), min(max(max_scale, default), best + step)
+    a, b = hi - _GOLDEN * (hi - lo), lo + _GOLDEN * (hi - lo)
+    for _ in range(refine):
+        if value(a) >= value(b):
+            hi, b = b, a
+            a = hi - _GOLDEN * (hi - lo)
+        else:
+            lo, a = a, b
+            b = lo + _GOLDEN * (hi - lo)
+    best = max(sorted(seen), key=lambda s: seen[s])
+    return best, seen[best]
+
+
+def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any) -> None:
+    """Validate the rule the attack is tuned against by building it once."""
+    if not isinstance(rule, str) or rule not in aggregators.names():
+        raise ValueError(
+            f"attack {attack!r}: parameter 'rule' must be one of {', '.join(aggregators.names())}, got {rule!r}"
+        )
+    if rule_f is not None:
+        check_int(attack, "rule_f", rule_f, low=0)
+    if not isinstance(rule_params, Mapping):
+        raise ValueError(f"attack {attack!r}: parameter 'rule_params' must be a mapping, got {rule_params!r}")
+    try:
+        aggregators.build(rule, f=0 if rule_f is None else rule_f, **rule_params)
+    except ValueError as err:
+        raise ValueError(
+            f"attack {attack!r}: parameter 'rule_params' must be valid parameters of rule {rule!r} ({err}), "
+            f"got {dict(rule_params)!r}"
+        ) from err
+
+
+@dataclass(frozen=True)
+class _Optimal(Attack):
+    """Common part: the rule to attack and the search over one scale."""
+
+    omniscient: ClassVar[bool] = True
+    rule: str = "trimmed_mean"
+    rule_f: int | None = None
+    rule_params: dict[str, Any] = field(default_factory=dict)
+    max_scale: float = 10.0
+    grid: int = 11
+    refine: int = 8
+
+    def __post_init__(self) -> None:
+        _check_rule(self.name, self.rule, self.rule_f, self.rule_params)
+        object.__setattr__(self, "max_scale", check_real(self.name, "max_scale", self.max_scale, low=0.0))
+        check_int(self.name, "grid", self.grid, low=2)
+        check_int(self.name, "refine", self.refine, low=0)
+
+    def _line(self, honest: Tensor) -> tuple[Tensor, Tensor]:
+        """``(base, direction)``: the Byzantine row at scale ``t`` is ``base + t * direction``."""
+        raise NotImplementedError
+
+    def _default(self, honest: Tensor, f: int) -> float:
+        """The attack's own default scale."""
+        raise NotImplementedError
+
+    def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
+        _check_input(self.name, honest, f, min_h=2)
+        h, d = honest.shape
+        if f == 0:
+            return honest.new_empty((0, d))
+        rule_f = f if self.rule_f is None else self.rule_f
+        needed = aggregators.build(self.rule, f=rule_f, **self.rule_params).min_n()
+        if h + f < needed:
+            raise ValueError(
+                f"attack {self.name!r}: rule {self.rule!r} with f={rule_f} needs n >= {needed} rows, "
+                f"got h={h} honest + f={f} Byzantine"
+            )
+        target = honest.mean(dim=0)
+        base, direction = self._line(honest)
+
+        def objective(scale: float) -> float:
+            rows = torch.cat([honest, _repeat(base + scale * direction, f)])
+            out = aggregators.build(self.rule, f=rule_f, **self.rule_params)(rows)
+            return float(torch.linalg.vector_norm((out - target).double()))
+
+        scale, value = maximize_scale(
+            objective, default=self._default(honest, f), max_scale=self.max_scale, grid=self.grid, refine=self.refine
+        )
+        logger.debug("%s against %s: scale=%.6g moves it by %.6g", self.name, self.rule, scale, value)
+        return _repeat(base + scale * direction, f)
+
+
+@dataclass(frozen=True)
+class OptimalALIE(_Optimal):
+    """ALIE (``mu - z * sigma``) with the ``z`` in ``[0, max_scale]`` that moves ``rule``'s output farthest.
+
+    The candidates include ALIE's own ``z`` for ``n = h + f`` (:func:`~fedrobust.attacks.alie_z`) when it
+    exists, so the chosen ``z`` moves the rule at least as far as plain ALIE.
+
+    Parameters
+    ----------
+    rule : str, default "trimmed_mean"
+        Registered aggregation rule the server is assumed to run.
+    rule_f : int or None, default None
+        The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
+    rule_params : dict, default {}
+        The rule's parameters.
+    max_scale : float, default 10.0
+        Largest ``z`` searched.
+    grid : int, default 11
+        Evenly spaced ``z`` values evaluated on ``[0, max_scale]`` (at least 2).
+    refine : int, default 8
+        Golden-section steps around the best grid value.
+
+    References
+    ----------
+    Baruch, Baruch, Goldberg. "A Little Is Enough: Circumventing Defenses For Distributed Learning."
+    NeurIPS 2019; Allouah et al. "Fixing by Mixing", AISTATS 2023 (the tuned variant, as in ByzFL).
+    """
+
+    name: ClassVar[str] = "optimal_alie"
+
+    def _line(self, honest: Tensor) -> tuple[Tensor, Tensor]:
+        mu, _, sigma = _centre(honest)
+        return mu, -sigma
+
+    def _default(self, honest: Tensor, f: int) -> float:
+        n = honest.shape[0] + f
+        return alie_z(n, f) if math.floor(n / 2 + 1) - f >= 1 else 0.0
+
+
+@dataclass(frozen=True)
+class OptimalIPM(_Optimal):
+    """IPM (``-epsilon * mean(honest)``) with the ``epsilon`` in ``[0, max_scale]`` that moves ``rule``'s
+    output farthest.
+
+    The candidates include IPM's default ``epsilon = 0.1``, so the chosen one moves the rule at least as
+    far as plain IPM.
+
+    Parameters
+    ----------
+    rule : str, default "trimmed_mean"
+        Registered aggregation rule the server is assumed to run.
+    rule_f : int or None, default None
+        The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
+    rule_params : dict, default {}
+        The rule's parameters.
+    max_scale : float, default 10.0
+        Largest ``epsilon`` searched.
+    grid : int, default 11
+        Evenly spaced ``epsilon`` values evaluated on ``[0, max_scale]`` (at least 2).
+    refine : int, default 8
+        Golden-section steps around the best grid value.
+
+    References
+    ----------
+    Xie, Koyejo, Gupta. "Fall of Empires: Breaking Byzantine-tolerant SGD by Inner Product Manipulation."
+    UAI 2020; Allouah et al. "Fixing by Mixing", AISTATS 2023 (the tuned variant, as in ByzFL).
+    """
+
+    name: ClassVar[str] = "optimal_ipm"
+
+    def _line(self, honest: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.zeros_like(honest[0]), -honest.mean(dim=0)
+
+    def _default(self, honest: Tensor, f: int) -> float:
+        return 0.1
