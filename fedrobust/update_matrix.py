@@ -90,19 +90,43 @@ class UpdateMatrix:
         segments, start = [], 0
         for key in self._keys:
             ref = template[key]
-            wide = ref.detach().cpu().reshape(-1).numpy().copy() if ref.dtype == torch.float64 else None
+            wide = np.empty(ref.numel(), dtype=np.float64) if ref.dtype == torch.float64 else None
             segments.append(_Segment(key, start, start + ref.numel(), wide))
             start += ref.numel()
         self._segments: tuple[_Segment, ...] = tuple(segments)
         self.dim = start
         self._global = torch.empty(self.dim, dtype=torch.float32)
-        for seg in self._segments:
-            self._global[seg.start : seg.stop] = template[seg.key].detach().reshape(-1)
         self._global_np = self._global.numpy()
         self.capacity = int(capacity)
         self._matrix = torch.empty((self.capacity, self.dim), dtype=torch.float32)
         self._matrix_np = self._matrix.numpy()  # shares memory: NumPy ufuncs write into the rows
         self._norms = torch.zeros(self.capacity, dtype=torch.float64)
+        self._len = 0
+        self._load_global(template)
+
+    def _load_global(self, template: Mapping[str, torch.Tensor]) -> None:
+        for seg in self._segments:
+            value = template[seg.key].detach()
+            self._global[seg.start : seg.stop] = value.reshape(-1)
+            if seg.wide_global is not None:
+                seg.wide_global[:] = value.cpu().reshape(-1).numpy()
+
+    def reset(self, template: Mapping[str, torch.Tensor]) -> None:
+        """Start a new round on the same storage: forget all rows and take the new global values.
+
+        The matrix's pages are already mapped after a first round; a fresh ``[n, d]``
+        allocation costs a page fault per 4 KiB on first write, which on a VM takes longer
+        than copying the replies. A strategy keeps one ``UpdateMatrix`` and resets it.
+
+        Raises
+        ------
+        ValueError
+            When ``template`` does not have the names, shapes and dtypes the matrix was built for.
+        """
+        rejection = check_structure(template, self._meta)
+        if rejection is not None:
+            raise ValueError(f"UpdateMatrix.reset: template differs from the one it was built for: {rejection.detail}")
+        self._load_global(template)
         self._len = 0
 
     # ------------------------------------------------------------------ filling

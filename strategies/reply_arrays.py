@@ -11,6 +11,7 @@ read-only and keep the reply's bytes alive for as long as they live.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 
@@ -24,6 +25,41 @@ _READERS = {
     (1, 0): np.lib.format.read_array_header_1_0,
     (2, 0): np.lib.format.read_array_header_2_0,
 }
+
+
+def _parse_header(data: bytes | bytearray | memoryview) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """Shape, Fortran order, dtype and payload offset of a .npy byte string.
+
+    NumPy's header reader (``ast.literal_eval`` on a dict literal) takes ~50 us; every reply
+    of a round repeats the same few dozen headers, so parsed headers are cached by their bytes.
+    """
+    prefix = bytes(data[:12])
+    if len(prefix) < 10 or prefix[:6] != b"\x93NUMPY":
+        raise ValueError("not a .npy array: bad magic string")
+    version = (prefix[6], prefix[7])
+    if version == (1, 0):
+        header_end = 10 + int.from_bytes(prefix[8:10], "little")
+    elif version == (2, 0) and len(prefix) >= 12:
+        header_end = 12 + int.from_bytes(prefix[8:12], "little")
+    else:
+        raise ValueError(f"unsupported .npy format version {version}")
+    if header_end > len(data):
+        raise ValueError(f"not a .npy array: header of {header_end} bytes in {len(data)} (truncated)")
+    return (*_parse_header_bytes(bytes(data[:header_end])), header_end)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_header_bytes(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype]:
+    # Bounded: a client sending endless distinct headers only evicts entries, it never grows the cache.
+    stream = io.BytesIO(header)
+    try:
+        version = np.lib.format.read_magic(stream)
+        shape, fortran_order, dtype = _READERS[version](stream)
+    except (ValueError, SyntaxError, TypeError, EOFError, KeyError) as err:
+        raise ValueError(f"not a .npy array: {err}") from err
+    if stream.tell() != len(header):
+        raise ValueError("not a .npy array: header length mismatch")
+    return tuple(shape), bool(fortran_order), dtype
 
 
 def array_view(array: Array) -> np.ndarray:
@@ -41,23 +77,13 @@ def array_view(array: Array) -> np.ndarray:
     data = array.data
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ValueError(f"array data is {type(data).__name__}, not bytes")
-    # BytesIO over bytes shares the buffer (copy-on-write) and is only read from here.
-    stream = io.BytesIO(data)
-    try:
-        version = np.lib.format.read_magic(stream)
-        reader = _READERS.get(version)
-        if reader is None:
-            raise ValueError(f"unsupported .npy format version {version}")
-        shape, fortran_order, dtype = reader(stream)
-    except (ValueError, SyntaxError, TypeError, EOFError) as err:
-        raise ValueError(f"not a .npy array: {err}") from err
+    shape, fortran_order, dtype, offset = _parse_header(data)
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise ValueError(f"dtype {dtype} is not a plain numeric dtype")
     if tuple(array.shape) != tuple(shape):
         raise ValueError(f"Array.shape {tuple(array.shape)} disagrees with its data's shape {tuple(shape)}")
     if array.dtype != str(dtype):
         raise ValueError(f"Array.dtype {array.dtype!r} disagrees with its data's dtype {str(dtype)!r}")
-    offset = stream.tell()
     count = math.prod(shape)
     expected = count * dtype.itemsize
     if len(data) - offset != expected:

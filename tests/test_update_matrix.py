@@ -14,7 +14,7 @@ from flwr.app import Array, ArrayRecord
 from fedrobust.tensors import flatten, float_keys
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import BLOCK, check_update
-from strategies.reply_arrays import array_view, array_views
+from fedrobust.strategies.reply_arrays import array_view, array_views
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -291,3 +291,28 @@ def test_object_arrays_are_refused_without_unpickling() -> None:
     array = Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=buffer.getvalue())
     with pytest.raises(ValueError, match="numeric"):
         array_view(array)
+
+
+def test_reset_reuses_the_storage_with_the_new_global_model() -> None:
+    template, sent = _sent()
+    matrix = UpdateMatrix(template, 2)
+    assert matrix.add(sent, full_weights=True) is None
+    storage = matrix.rows().data_ptr()
+    moved = {k: (v + 1.0 if v.is_floating_point() else v) for k, v in template.items()}
+    matrix.reset(moved)
+    assert len(matrix) == 0
+    assert matrix.add(sent, full_weights=True) is None
+    assert matrix.rows().data_ptr() == storage
+    keys = float_keys(template)
+    local = {k: torch.from_numpy(sent[k]) for k in keys}
+    assert torch.equal(matrix.rows()[0], flatten([{k: local[k] - moved[k] for k in keys}], keys)[0])
+    with pytest.raises(ValueError, match="differs"):
+        matrix.reset({**template, "fc.bias": torch.zeros(6)})
+
+
+def test_cached_headers_still_give_each_array_its_own_shape_and_dtype() -> None:
+    arrays = [np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32), np.zeros((2, 3), np.float16)]
+    for _ in range(2):  # the second pass hits the header cache
+        for value in arrays:
+            view = array_view(Array(value))
+            assert view.shape == value.shape and view.dtype == value.dtype
