@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from fedrobust import attacks
+from fedrobust import aggregators, attacks
 from fedrobust.attacks import Attack
+from fedrobust.attacks.optimal import maximize_scale
 
 H, F = 16, 4  # honest and Byzantine clients of the reference round (n = 20)
 NOISE = 0.5  # per-coordinate spread of honest updates around their non-zero mean
@@ -567,3 +568,79 @@ def test_cuda_matches_cpu() -> None:
             for key, t in cpu_out.items():
                 assert gpu_out[key].device.type == "cuda", name
                 torch.testing.assert_close(gpu_out[key].cpu(), t, equal_nan=True, msg=f"{name} {key}")
+
+
+# --------------------------------------------------------------------------- Fang et al. and the tuned attacks
+
+
+def rule_shift(rule: str, f: int, honest: Tensor, byzantine: Tensor) -> float:
+    """How far ``rule`` (with ``f``) on the honest and Byzantine rows lands from the honest mean."""
+    out = aggregators.build(rule, f=f)(torch.cat([honest, byzantine]))
+    return shift_norm(out, honest.mean(0))
+
+
+def test_fang_krum_makes_krum_select_a_byzantine_row() -> None:
+    # Honest updates whose common direction is small next to their spread, as in the paper's setting.
+    g = gen(0)
+    honest = 0.1 + torch.randn(16, 100, generator=g)
+    byz = attacks.build("fang_krum").craft(honest, f=F, generator=gen())
+    out = aggregators.build("krum", f=F)(torch.cat([honest, byz]))
+    assert torch.equal(out, byz[0])
+    s = torch.sign(honest.mean(0))
+    lam = float(-(byz[0] @ s) / (s @ s))
+    torch.testing.assert_close(byz[0], -lam * s)
+    assert lam > 0.1  # found on the ladder, not the threshold fallback
+    assert float(out @ honest.mean(0)) < 0  # the selected update points against the honest direction
+
+
+def test_fang_krum_needs_enough_rows_for_krum() -> None:
+    with pytest.raises(ValueError, match=r"fang_krum.*h >= f\+3.*h=6, f=4"):
+        attacks.build("fang_krum").craft(honest_rows(h=6), f=4, generator=gen())
+
+
+def test_fang_trimmed_mean_pushes_every_coordinate_against_its_direction() -> None:
+    honest = honest_rows(seed=2).double()
+    byz = attacks.build("fang_trimmed_mean", b=2.0).craft(honest, f=F, generator=gen())[0]
+    mean, low, high = honest.mean(0), honest.min(0).values, honest.max(0).values
+    up = mean > 0
+    # Beyond the honest extreme opposite to the mean's sign, at the paper's bound.
+    torch.testing.assert_close(byz[up], torch.where(low[up] > 0, low[up] / 2, low[up] * 2))
+    torch.testing.assert_close(byz[~up], torch.where(high[~up] > 0, high[~up] * 2, high[~up] / 2))
+    assert (byz[up] < low[up]).all() and (byz[~up] > high[~up]).all()
+    # The trimmed mean then keeps the honest values on the far side only: every coordinate moves back.
+    out = aggregators.build("trimmed_mean", f=F)(torch.cat([honest, byz.expand(F, -1)]))
+    assert ((out - mean) * torch.sign(mean) < 0).all()
+
+
+@pytest.mark.parametrize(
+    "rule", ["trimmed_mean", "median", "krum", "geometric_median", "dnc", "signguard", "clipped_clustering"]
+)
+def test_optimal_alie_moves_the_rule_at_least_as_far_as_alie(rule: str) -> None:
+    honest = honest_rows(seed=7)
+    plain = rule_shift(rule, F, honest, attacks.build("alie").craft(honest, f=F, generator=gen()))
+    tuned = rule_shift(rule, F, honest, attacks.build("optimal_alie", rule=rule).craft(honest, f=F, generator=gen()))
+    assert tuned >= plain * (1 - 1e-6)
+    if rule in ("trimmed_mean", "krum", "clipped_clustering"):
+        assert tuned > 1.5 * plain  # ALIE's fixed z is far from the best one against these rules
+
+
+def test_optimal_ipm_against_the_mean_takes_the_largest_epsilon() -> None:
+    # Against a plain mean the shift f/n * (1 + epsilon) * |mu| grows with epsilon: the search must end at the top.
+    honest = honest_rows(seed=3)
+    row = attacks.build("optimal_ipm", rule="mean", max_scale=7.0).craft(honest, f=F, generator=gen())[0]
+    torch.testing.assert_close(row, -7.0 * honest.mean(0))
+
+
+def test_optimal_search_refines_an_interior_maximum() -> None:
+    scale, value = maximize_scale(lambda t: -((t - 3.3) ** 2), default=0.1, max_scale=10.0, grid=11, refine=12)
+    assert scale == pytest.approx(3.3, abs=0.01) and value <= 0
+    # A maximum only at the default scale (off the grid) is found too, and ties keep the smaller scale.
+    assert maximize_scale(lambda t: float(t == 0.37), default=0.37, max_scale=10.0, grid=11, refine=0)[0] == 0.37
+    assert maximize_scale(lambda t: 1.0, default=0.37, max_scale=10.0, grid=11, refine=4)[0] == 0.0
+
+
+def test_optimal_attack_needs_the_rows_its_rule_needs() -> None:
+    with pytest.raises(ValueError, match=r"optimal_alie.*'krum' with f=4 needs n >= 11.*h=5"):
+        attacks.build("optimal_alie", rule="krum").craft(honest_rows(h=5), f=4, generator=gen())
+    with pytest.raises(ValueError, match=r"optimal_ipm.*'rule_params'.*centered_clipping.*tua"):
+        attacks.build("optimal_ipm", rule="centered_clipping", rule_params={"tua": 1.0})

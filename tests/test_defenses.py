@@ -1,0 +1,259 @@
+"""What each similarity- and spectrum-based defense promises: DnC, SignGuard, clipped clustering, FoolsGold,
+and centered clipping's adaptive radius. Each test plants Byzantine rows the rule is meant to catch and checks
+the output against a float64 reference of the rule on the rows it must keep."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from fedrobust import aggregators
+from fedrobust.aggregators.foolsgold import foolsgold_weights
+
+N, F, D = 16, 4, 200
+
+
+def planted(kind: str, *, n: int = N, f: int = F, d: int = D, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """``(x, honest)``: ``n - f`` honest float64 rows around a common positive direction, then ``f`` Byzantine
+    rows of the given kind."""
+    g = torch.Generator().manual_seed(seed)
+    honest = 1.0 + 0.3 * torch.randn(n - f, d, generator=g, dtype=torch.float64)
+    if kind == "sign_flip":
+        byz = -honest[:f]  # same norms: only the direction gives them away
+    elif kind == "scaled":
+        byz = 100.0 * honest[:f]  # same signs and directions: only the norms give them away
+    elif kind == "tiny":
+        byz = 1e-3 * honest[:f]
+    elif kind == "huge":
+        byz = 1e4 * torch.randn(f, d, generator=g, dtype=torch.float64)
+    elif kind == "collude":  # one point just outside the honest cloud, along a common direction
+        byz = (honest.mean(0) + 3 * honest.std(0)).expand(f, d)
+    else:
+        raise AssertionError(kind)
+    return torch.cat([honest, byz]), honest
+
+
+def clipped_mean(rows: Tensor, threshold: Tensor | float) -> Tensor:
+    """Mean of ``rows`` each clipped to norm ``threshold``."""
+    norms = rows.norm(dim=1, keepdim=True)
+    return (rows * torch.clamp(threshold / norms, max=1.0)).mean(0)
+
+
+def spread(honest: Tensor) -> float:
+    return float((honest - honest.mean(0)).norm(dim=1).max())
+
+
+# --------------------------------------------------------------------------- DnC
+
+
+@pytest.mark.parametrize("kind", ["collude", "sign_flip"])
+def test_dnc_removes_a_planted_group(kind: str) -> None:
+    x, honest = planted(kind)
+    out = aggregators.build("dnc", f=F, sub_dim=50, niters=3)(x)
+    # A group along one direction is the top singular direction: exactly the Byzantine rows are dropped in
+    # every iteration, so the output is the honest mean.
+    torch.testing.assert_close(out, honest.mean(0), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(x.mean(0), honest.mean(0), atol=1e-3)  # the plain mean is moved
+
+
+def test_dnc_drops_huge_outliers_in_unrelated_directions() -> None:
+    # Each subset's top direction follows one outlier, so some honest rows may be dropped with them; what
+    # holds is that every outlier goes: the output is a mean of honest rows only.
+    x, honest = planted("huge")
+    out = aggregators.build("dnc", f=F, sub_dim=50, niters=3)(x)
+    assert float((out - honest.mean(0)).norm()) < spread(honest)
+    assert float((x.mean(0) - honest.mean(0)).norm()) > 1e3
+
+
+def test_dnc_draws_new_coordinates_each_call_and_replays_them_from_the_seed() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 300, generator=g, dtype=torch.float64)
+    agg = aggregators.build("dnc", f=2, sub_dim=3, niters=1, seed=5)
+    outs = [agg(x) for _ in range(6)]
+    assert any(not torch.equal(outs[0], out) for out in outs[1:])  # 3 of 300 coordinates: the subsets differ
+    replay = aggregators.build("dnc", f=2, sub_dim=3, niters=1, seed=5)
+    assert all(torch.equal(replay(x), out) for out in outs)
+
+
+def reference_dnc_drops(x: Tensor, f: int, c: float, sub_dim: int, niters: int, seed: int) -> Tensor:
+    """How many of DnC's iterations drop each row, replaying the rule's coordinate draws."""
+    g = torch.Generator().manual_seed(seed)
+    dropped = torch.zeros(x.shape[0], dtype=torch.int64)
+    for _ in range(niters):
+        sub = x[:, torch.randperm(x.shape[1], generator=g)[:sub_dim].sort().values]
+        centred = sub - sub.mean(0)
+        top = torch.linalg.svd(centred, full_matrices=False).Vh[0]
+        scores = (centred @ top) ** 2
+        dropped[torch.sort(scores, descending=True, stable=True).indices[: int(c * f)]] += 1
+    return dropped
+
+
+def test_dnc_falls_back_when_the_iterations_drop_every_row() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 40, generator=g, dtype=torch.float64)
+    # c * f = 4 of 5 rows dropped per iteration: one survivor per subset, different ones across subsets.
+    dropped = reference_dnc_drops(x, f=2, c=2.0, sub_dim=2, niters=20, seed=0)
+    assert (dropped > 0).all()  # no row survives every iteration: the fallback is taken
+    out = aggregators.build("dnc", f=2, c=2.0, sub_dim=2, niters=20)(x)
+    torch.testing.assert_close(out, x[dropped == dropped.min()].mean(0))
+
+
+def test_dnc_after_nnm_scores_the_mixed_rows() -> None:
+    # The rule sees the mixed rows: the same as running it on the rows NNM produces.
+    x, _ = planted("collude", d=60)
+    dist = torch.cdist(x, x) ** 2
+    nearest = torch.sort(dist.fill_diagonal_(-1.0), dim=1, stable=True).indices[:, : N - F]
+    nnm_rows = x[nearest].mean(dim=1)
+    with_pre = aggregators.build("dnc", f=F, sub_dim=20, pre=[{"name": "nnm"}])(x)
+    direct = aggregators.build("dnc", f=F, sub_dim=20)(nnm_rows)
+    torch.testing.assert_close(with_pre, direct, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- SignGuard
+
+
+@pytest.mark.parametrize("kind", ["sign_flip", "scaled", "tiny", "huge"])
+def test_signguard_rejects_the_planted_group(kind: str) -> None:
+    x, honest = planted(kind)
+    out = aggregators.build("signguard", f=F)(x)
+    median = torch.quantile(x.norm(dim=1), 0.5)
+    torch.testing.assert_close(out, clipped_mean(honest, median), rtol=1e-10, atol=1e-12)
+    assert float((out - honest.mean(0)).norm()) < spread(honest)
+
+
+def test_signguard_keeps_every_row_when_the_signs_do_not_split() -> None:
+    # Balanced random signs: all sign fractions lie within a few 1/sqrt(d) of 1/2, closer than min_gap.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 4000, generator=g, dtype=torch.float64)
+    out = aggregators.build("signguard", f=2)(x)
+    torch.testing.assert_close(out, clipped_mean(x, torch.quantile(x.norm(dim=1), 0.5)))
+    # With min_gap=0 the 2-means split is always used, so some honest rows are dropped.
+    split = aggregators.build("signguard", f=2, min_gap=0.0)(x)
+    assert not torch.allclose(split, out)
+
+
+# --------------------------------------------------------------------------- clipped clustering
+
+
+def test_clipped_clustering_rejects_a_sign_flipped_group() -> None:
+    x, honest = planted("sign_flip")
+    out = aggregators.build("clipped_clustering", f=F)(x)
+    median = torch.quantile(x.norm(dim=1), 0.5)
+    torch.testing.assert_close(out, clipped_mean(honest, median), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["huge", "collude"])
+def test_clipped_clustering_bounds_what_the_split_cannot_see(kind: str) -> None:
+    # Unrelated huge rows may join the honest cluster (their cosines are all near 0) and a colluding point in
+    # the honest direction always does; clipping to the median norm bounds their pull.
+    x, honest = planted(kind)
+    out = aggregators.build("clipped_clustering", f=F)(x)
+    assert float((out - honest.mean(0)).norm()) < spread(honest)
+    assert float((out - honest.mean(0)).norm()) < 0.2 * float((x.mean(0) - honest.mean(0)).norm())
+
+
+def test_clipped_clustering_after_clipping_uses_the_clipped_rows() -> None:
+    # A non-affine pre-aggregator: inner products must come from the clipped rows, not the inputs.
+    x, _ = planted("sign_flip", d=50)
+    x = x * torch.linspace(0.5, 3.0, N, dtype=torch.float64)[:, None]
+    clip = {"name": "clipping", "threshold": 12.0}
+    with_pre = aggregators.build("clipped_clustering", f=F, pre=[clip])(x)
+    clipped = x * torch.clamp(12.0 / x.norm(dim=1, keepdim=True), max=1.0)
+    direct = aggregators.build("clipped_clustering", f=F)(clipped)
+    torch.testing.assert_close(with_pre, direct, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- FoolsGold
+
+
+def reference_foolsgold(x: np.ndarray) -> np.ndarray:
+    """FoolsGold's reference algorithm (Fung et al.'s published code), per round, as a weighted mean."""
+    n = x.shape[0]
+    unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+    cs = unit @ unit.T - np.eye(n)
+    maxcs = cs.max(axis=1)
+    for i in range(n):
+        for j in range(n):
+            if i != j and maxcs[i] < maxcs[j]:
+                cs[i, j] *= maxcs[i] / maxcs[j]
+    wv = np.clip(1 - cs.max(axis=1), 0, 1)
+    wv = wv / wv.max()
+    wv[wv == 1] = 0.99
+    wv = np.log(wv / (1 - wv)) + 0.5
+    wv[np.isinf(wv) | (wv > 1)] = 1
+    wv[wv < 0] = 0
+    return wv @ x / wv.sum()
+
+
+def sybil_round(seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Honest clients with different data (weakly aligned updates) and F sybils sending one shared update."""
+    g = torch.Generator().manual_seed(seed)
+    honest = 0.3 + torch.randn(N - F, D, generator=g, dtype=torch.float64)
+    sybil = (-2.0 + 0.01 * torch.randn(D, generator=g, dtype=torch.float64)).expand(F, D)
+    return torch.cat([honest, sybil + 1e-3 * torch.randn(F, D, generator=g, dtype=torch.float64)]), honest
+
+
+def test_foolsgold_matches_the_reference_algorithm() -> None:
+    x, _ = sybil_round(1)
+    out = aggregators.build("foolsgold", f=F)(x)
+    np.testing.assert_allclose(out.numpy(), reference_foolsgold(x.numpy()), rtol=1e-9, atol=1e-12)
+
+
+def test_foolsgold_gives_sybils_no_weight() -> None:
+    x, honest = sybil_round(2)
+    unit = x / x.norm(dim=1, keepdim=True)
+    weights = foolsgold_weights(unit @ unit.T)
+    assert (weights[N - F :] == 0).all() and (weights[: N - F] > 0).all()
+    out = aggregators.build("foolsgold", f=F)(x)
+    torch.testing.assert_close(out, weights[: N - F] @ honest / weights.sum())
+    # The sybils pull the plain mean far away; FoolsGold stays with the honest rows.
+    assert float((out - honest.mean(0)).norm()) < 0.2 * float((x.mean(0) - honest.mean(0)).norm())
+
+
+# --------------------------------------------------------------------------- centered clipping, adaptive radius
+
+
+def reference_adaptive_cc(x: np.ndarray, center: np.ndarray, f: int, iterations: int) -> np.ndarray:
+    v = center.copy()
+    for _ in range(iterations):
+        diff = x - v
+        norms = np.linalg.norm(diff, axis=1, keepdims=True)
+        radius = np.sort(norms[:, 0])[x.shape[0] - f - 1]
+        v = v + (diff * np.minimum(1.0, radius / norms)).mean(axis=0)
+    return v
+
+
+def test_adaptive_radius_matches_reference_over_calls() -> None:
+    rng = np.random.default_rng(4)
+    agg = aggregators.build("centered_clipping", f=2, tau="auto", iterations=3)
+    center = np.zeros(30)
+    for _ in range(3):
+        x = rng.standard_normal((9, 30)) + 2.0
+        x[:2] *= 50.0
+        center = reference_adaptive_cc(x, center, 2, 3)
+        np.testing.assert_allclose(agg(torch.from_numpy(x)).numpy(), center, rtol=1e-10, atol=1e-12)
+
+
+def test_adaptive_radius_clips_an_outlier_a_fixed_tau_lets_through() -> None:
+    # Small honest updates (norm ~0.1) and one outlier at distance 8: inside tau=10, far outside their spread.
+    g = torch.Generator().manual_seed(5)
+    honest = 0.01 + 0.01 * torch.randn(9, 50, generator=g, dtype=torch.float64)
+    direction = torch.randn(50, generator=g, dtype=torch.float64)
+    outlier = honest.mean(0) + 8.0 * direction / direction.norm()
+    x = torch.cat([honest, outlier[None]])
+    fixed = aggregators.build("centered_clipping", f=1, tau=10.0)(x)
+    auto = aggregators.build("centered_clipping", f=1, tau="auto")(x)
+    torch.testing.assert_close(fixed, x.mean(0))  # nothing clipped: the outlier moves the center by 8/n
+    assert float((fixed - honest.mean(0)).norm()) > 0.7
+    assert float((auto - honest.mean(0)).norm()) < 0.02
+
+
+def test_radius_quantile_one_clips_nothing() -> None:
+    x = torch.randn(7, 20, dtype=torch.float64)
+    agg = aggregators.build("centered_clipping", f=1, tau="auto", radius_quantile=1.0)
+    torch.testing.assert_close(agg(x), x.mean(0))
+    # A lower quantile clips: the center moves less than the mean does.
+    low = aggregators.build("centered_clipping", f=1, tau="auto", radius_quantile=0.3)(x)
+    assert float(low.norm()) < float(x.mean(0).norm())
