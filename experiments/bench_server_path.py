@@ -16,7 +16,17 @@ Entries:
   robust strategy, :func:`fedrobust_path`: ``array_views`` on each reply, ``UpdateMatrix.add``
   (full weights: the row is local minus global, checked for structure, finiteness and norm
   in the same pass), the rule on ``matrix.rows()``, then global + lr * aggregate, returned
-  as an ArrayRecord like Flower's strategies return it.
+  as an ArrayRecord like Flower's strategies return it. It keeps its ``UpdateMatrix`` between
+  rounds (``reset``), as the strategy should;
+* with ``--strategy``, ``RobustStrategy(aggregator=rule, num_byzantine=f).aggregate_train``
+  itself (entries ``strategy:<rule>``), after its ``configure_train`` (it computes each update
+  against the global model it sent).
+
+With ``--rounds 2`` each process then builds a second set of replies and calls the same
+strategy object again: round 1 pays for first-touching new memory (on this VM a page fault per
+4 KiB costs about ten times writing it), later rounds show what a long-running server pays.
+Memory a strategy keeps between rounds (fedrobust's matrix) is in the RSS before round 2, so
+round 2's "extra" does not count it.
 
 ``f = max(1, (n - 3) // 4)`` as in ``experiments.bench_aggregators``. The model is a
 ResNet-18 for 10 classes (CIFAR variant: 3x3 stem), its 62 parameter tensors, 11.17M float32
@@ -26,7 +36,8 @@ values (``--d-model 11m``), or the same network with 20/40/80/160 channels, 1.09
 Usage::
 
     python -m experiments.bench_server_path --n 20 --d-model 1m              # quick, ~1 min
-    python -m experiments.bench_server_path --n 50 --d-model 11m --repeats 1  # the issue's size (replies 2.2 GB)
+    python -m experiments.bench_server_path --n 50 --d-model 11m --repeats 1 --rounds 2 --strategy
+                                                   # the issue's size (replies 2.2 GB), ~15 min
 """
 
 from __future__ import annotations
