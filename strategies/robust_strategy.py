@@ -436,8 +436,11 @@ class RobustStrategy(Strategy):
         accepted = self._accept(server_round, replies, sent, outcome)
         outcome.accepted = [u.node_id for u in accepted]
         outcome.train_metrics = _mean_metrics(accepted)
-        # Replies rejected as provably faulty are Byzantine ones the rule no longer has to outvote.
-        f_used = max(0, self.num_byzantine - sum(outcome.rejected.values()))
+        # Nodes proven faulty (a reply rejected this round, or quarantined for earlier ones) are
+        # Byzantine nodes the rule no longer has to outvote among the accepted rows.
+        proven = {e["node"] for e in outcome.rejected_nodes}
+        proven.update(n for n in self.liveness.known_nodes() if self.liveness.status(n) == "quarantined")
+        f_used = max(0, self.num_byzantine - len(proven))
         rule = self._rule_for(f_used)
         outcome.f_used = f_used
         need = rule.min_n()

@@ -1,0 +1,1 @@
+"""quickstart-robust: Flower's quickstart-pytorch with fedrobust's RobustStrategy."""

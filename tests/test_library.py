@@ -1,0 +1,232 @@
+"""fedrobust as a library in a user's own Flower app: nothing from fedrobust on the client.
+
+The ClientApp below is written the Flower way (reply ``arrays`` = full local weights, ``metrics``
+with ``num-examples``); some nodes reply malformed, NaN or adversarial weights. The ServerApp uses
+only ``RobustStrategy(...)`` and ``strategy.start(...)``, on Flower's real simulation engine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import Result
+from flwr.simulation import run_simulation
+from sklearn.datasets import load_digits
+from torch import nn
+
+from fedrobust import RobustStrategy
+
+NUM_NODES = 8
+MALFORMED, NAN, ADVERSARIAL = 0, 1, 2  # partition ids of the faulty nodes; the others are honest
+BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": os.cpu_count() or 1}}
+
+
+# ---------------------------------------------------------------------- the user's task.py
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def digits(partition: int | None, num_partitions: int = NUM_NODES) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(0).permutation(len(y))
+    x, y = torch.tensor(x[order] / 16.0, dtype=torch.float32), torch.tensor(y[order])
+    cut = int(0.8 * len(y))
+    if partition is None:
+        return x[cut:], y[cut:]
+    return x[:cut][partition::num_partitions], y[:cut][partition::num_partitions]
+
+
+def accuracy(arrays: ArrayRecord) -> float:
+    net = make_net()
+    net.load_state_dict(arrays.to_torch_state_dict())
+    x, y = digits(None)
+    with torch.no_grad():
+        return float((net(x).argmax(1) == y).float().mean())
+
+
+def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    net = make_net()
+    net.load_state_dict(arrays.to_torch_state_dict())
+    x, y = digits(None)
+    with torch.no_grad():
+        out = net(x)
+        return MetricRecord({"loss": float(nn.functional.cross_entropy(out, y)), "accuracy": float((out.argmax(1) == y).float().mean())})
+
+
+# ---------------------------------------------------------------------- the user's client_app.py
+client = ClientApp()
+
+
+@client.train()
+def train(msg: Message, context: Context) -> Message:
+    partition = int(context.node_config["partition-id"])
+    net = make_net()
+    global_state = msg.content["arrays"].to_torch_state_dict()
+    net.load_state_dict(global_state)
+    x, y = digits(partition, int(context.node_config["num-partitions"]))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.3)
+    generator = torch.Generator().manual_seed(partition)
+    for _ in range(2):
+        for batch in torch.randperm(len(y), generator=generator).split(16):
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(net(x[batch]), y[batch]).backward()
+            optimizer.step()
+    local = net.state_dict()
+    if partition == MALFORMED:  # a weight matrix of the wrong shape
+        first = next(iter(local))
+        local[first] = local[first][:, :-1].clone()
+    elif partition == NAN:
+        local = {k: torch.full_like(v, float("nan")) for k, v in local.items()}
+    elif partition == ADVERSARIAL:  # move the model 10x the other way
+        local = {k: global_state[k] - 10 * (v - global_state[k]) for k, v in local.items()}
+    metrics = MetricRecord({"train_loss": 0.0, "num-examples": len(y)})
+    return Message(RecordDict({"arrays": ArrayRecord(local), "metrics": metrics}), reply_to=msg)
+
+
+# ---------------------------------------------------------------------- the user's server_app.py
+def robust_server(checkpoint_dir: Path, results: dict[str, Result]) -> ServerApp:
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        def strategy() -> RobustStrategy:
+            # f=3 faulty nodes; validation rejects the malformed and NaN ones, the rule outvotes the third.
+            return RobustStrategy(
+                aggregator="trimmed_mean", num_byzantine=3, min_available_nodes=NUM_NODES,
+                checkpoint_dir=checkpoint_dir, progress=False,
+            )
+
+        initial = ArrayRecord(make_net().state_dict())
+        results["first"] = strategy().start(grid=grid, initial_arrays=initial, num_rounds=3, evaluate_fn=evaluate_fn)
+        # A new strategy on the same checkpoint directory continues after round 3.
+        results["second"] = strategy().start(grid=grid, initial_arrays=initial, num_rounds=5, evaluate_fn=evaluate_fn)
+
+    return server
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_flower_style_app_trains_robustly_and_resumes(tmp_path: Path) -> None:
+    results: dict[str, Result] = {}
+    run_simulation(
+        server_app=robust_server(tmp_path / "ckpt", results),
+        client_app=client,
+        num_supernodes=NUM_NODES,
+        backend_config=BACKEND,
+    )
+    assert set(results) == {"first", "second"}, "the ServerApp did not finish; see the log above"
+    first, second = results["first"], results["second"]
+
+    assert sorted(first.train_metrics_clientapp) == [1, 2, 3]
+    for metrics in first.train_metrics_clientapp.values():
+        assert metrics["rejected.wrong_shape"] == 1 and metrics["rejected.non_finite"] == 1
+        assert metrics["accepted"] == NUM_NODES - 2 and metrics["f_used"] == 1
+    # The second start() resumed: rounds 1-3 come from the checkpoint, rounds 4-5 were trained.
+    assert sorted(second.train_metrics_clientapp) == [1, 2, 3, 4, 5]
+    assert second.train_metrics_clientapp[3] == first.train_metrics_clientapp[3]
+    assert 0 not in second.evaluate_metrics_serverapp  # no initial evaluation on resume
+
+    final = second.arrays.to_torch_state_dict()
+    assert all(bool(torch.isfinite(v).all()) for v in final.values())
+    robust_accuracy = accuracy(second.arrays)
+
+    # Honest-only training of the same client code (faulty nodes left out) on the in-process grid.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from experiments.inprocess import InProcessGrid
+
+    honest_nodes = ClientApp()
+
+    @honest_nodes.train()
+    def honest_train(msg: Message, context: Context) -> Message:
+        context.node_config["partition-id"] = int(context.node_config["partition-id"]) + 3  # partitions 3..7
+        context.node_config["num-partitions"] = NUM_NODES
+        return client(msg, context)
+
+    honest_grid = InProcessGrid(honest_nodes, NUM_NODES - 3, seed=0)
+    honest = RobustStrategy(aggregator="mean", min_available_nodes=NUM_NODES - 3, progress=False).start(
+        grid=honest_grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=5
+    )
+    honest_accuracy = accuracy(honest.arrays)
+    assert honest_accuracy > 0.8, honest_accuracy  # the task trains at all
+    assert robust_accuracy >= honest_accuracy - 0.05, (robust_accuracy, honest_accuracy)
+    assert math.isfinite(second.evaluate_metrics_serverapp[5]["loss"])
+
+
+def test_standard_replies_become_updates_against_the_model_sent() -> None:
+    """aggregate_train alone, Flower's way: a reply with full weights w_i gives update w_i - global."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    def reply_weights(offset: float) -> ClientApp:
+        app = ClientApp()
+
+        @app.train()
+        def _train(msg: Message, context: Context) -> Message:
+            state = msg.content["arrays"].to_torch_state_dict()
+            shift = offset * (1 + int(context.node_config["partition-id"]))
+            local = {k: v + shift for k, v in state.items()}
+            metrics = MetricRecord({"num-examples": 10})
+            return Message(RecordDict({"arrays": ArrayRecord(local), "metrics": metrics}), reply_to=msg)
+
+        return app
+
+    grid = InProcessGrid(reply_weights(0.5), 3, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=0, progress=False)
+    initial = {"w": torch.zeros(2, 2), "b": torch.ones(2)}
+    from flwr.app import ConfigRecord
+
+    with _server_identity(grid.run.run_id):
+        messages = list(strategy.configure_train(1, ArrayRecord(initial), ConfigRecord(), grid))
+        assert len(messages) == 3 and all(m.content["config"]["server-round"] == 1 for m in messages)
+        replies = list(grid.send_and_receive(messages))
+        arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and metrics is not None and metrics["accepted"] == 3
+    new = arrays.to_torch_state_dict()
+    # Shifts 0.5, 1.0, 1.5: the median update is 1.0, applied with server lr 1.
+    assert torch.allclose(new["w"], torch.full((2, 2), 1.0)) and torch.allclose(new["b"], torch.full((2,), 2.0))
+    with pytest.raises(RuntimeError, match="configure_train"):
+        strategy.aggregate_train(2, replies)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"aggregator": "krun"}, "valid names"),
+        ({"num_byzantine": -1}, "num_byzantine"),
+        ({"fraction_train": 1.5}, "fraction_train"),
+        ({"server_optimizer": "sgd"}, "valid choices"),
+        ({"max_update_norm": -1.0}, "max_update_norm"),
+        ({"divergence_factor": -1.0}, "divergence_factor"),
+        ({"resume": "sometimes"}, "valid choices"),
+        ({"checkpoint_keep": 0}, "checkpoint_keep"),
+    ],
+)
+def test_constructor_refuses_bad_arguments_with_a_clear_message(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        RobustStrategy(**kwargs)
+
+
+def test_installed_names_live_under_fedrobust_only(tmp_path: Path) -> None:
+    """The wheel holds the fedrobust package and nothing generic (strategies, clients, experiments)."""
+    import subprocess
+    import zipfile
+
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(repo)],
+        check=True, capture_output=True, timeout=300, cwd=tmp_path,
+    )
+    wheel = next(tmp_path.glob("fedrobust-*.whl"))
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"fedrobust"}, tops
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "fedrobust/strategies/robust_strategy.py" in names and "fedrobust/clients/signing_mod.py" in names
