@@ -178,6 +178,35 @@ def test_flwr_run_local_simulation(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_quickstart_robust_example_trains_under_flwr_run(tmp_path: Path) -> None:
+    """examples/quickstart-robust (a Flower app using only fedrobust's public API) trains offline."""
+    out = tmp_path / "out"
+    with FlowerProcesses(tmp_path) as fp:
+        link = fp.start_superlink(simulation=True)
+        write_flwr_home(
+            tmp_path, FEDERATION, link.address,
+            options={"num-supernodes": 4, "backend": {"client-resources": {"num-cpus": CLIENT_CPUS}}},
+        )
+        res = subprocess.run(
+            [executable("flwr"), "run", str(REPO / "examples" / "quickstart-robust"), FEDERATION, "--stream",
+             "--run-config", f"num-server-rounds=3 output-dir='{out}' checkpoint-dir='{tmp_path / 'ckpt'}'"],
+            cwd=tmp_path, env=fp.env(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        )
+        report = f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}\n{fp.tails()}"
+        assert res.returncode == 0, report
+        match = re.search(r"Successfully started run (\d+)", res.stdout)
+        assert match, report
+        assert _run_status(fp, int(match.group(1))).endswith("completed"), report
+        fp.stop(link)
+    history = json.loads((out / "history.json").read_text())
+    assert sorted(int(r) for r in history) == [0, 1, 2, 3], history
+    assert history["3"]["accuracy"] > max(0.5, history["0"]["accuracy"] + 0.3), history  # it trains
+    assert "[round   3/3]" in res.stdout, report  # per-round progress reaches the operator's stream
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("round-"))[-1] == "round-000003"
+
+
 def _run_status(fp: FlowerProcesses, run_id: int) -> str:
     """The run's status as ``flwr ls --format json`` reports it (e.g. ``finished:completed``)."""
     deadline = time.monotonic() + 30.0
