@@ -13,10 +13,10 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import ClassVar
 
 import torch
-from scipy.stats import norm
 from torch import Tensor
 
 from fedrobust.attacks.base import Attack, check_choice, check_int, check_real
@@ -93,7 +93,7 @@ def alie_z(n: int, f: int) -> float:
             f"attack 'alie': z from n={n}, f={f} needs floor(n/2 + 1) - f >= 1 (a Byzantine minority); "
             "pass z explicitly otherwise"
         )
-    return float(norm.ppf((n - s) / n))
+    return NormalDist().inv_cdf((n - s) / n)
 
 
 @dataclass(frozen=True)
