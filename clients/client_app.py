@@ -52,15 +52,25 @@ def _load_model(cfg: RunConfig, state: Mapping[str, torch.Tensor]) -> torch.nn.M
     return model
 
 
+DATA_PATH = "data-path"  # node config: the device's own data (deployment); see fedrobust.data.load_local
+
+
 def _partition(cfg: RunConfig, context: Context) -> tuple[int, int]:
+    """(partition id, number of partitions); a device with its own data and no partition id uses its node id."""
+    if protocol.PARTITION_ID not in context.node_config:
+        return context.node_id % (2**31), cfg.num_clients
     pid = int(context.node_config[protocol.PARTITION_ID])
     num = int(context.node_config.get("num-partitions", cfg.num_clients))
     return pid, num
 
 
 def _dataset(cfg: RunConfig, context: Context) -> torch.utils.data.TensorDataset:
+    """The device's own data (node config ``data-path``), else its partition of the central data set (simulation)."""
     from fedrobust import data
 
+    local = context.node_config.get(DATA_PATH)
+    if local:
+        return data.load_local(str(local), cfg.dataset.name)
     pid, num = _partition(cfg, context)
     p = cfg.partition
     return data.load_partition(
@@ -125,7 +135,9 @@ def make_client_app(cfg: RunConfig | None = None) -> ClientApp:
 
     @app.query()
     def hello(msg: Message, context: Context) -> Message:
-        """Tell the server which partition this node holds (node ids are random per run)."""
+        """Tell the server which partition this node holds (node ids are random per run); nothing when it has none."""
+        if protocol.PARTITION_ID not in context.node_config:
+            return Message(RecordDict({protocol.INFO: ConfigRecord({})}), reply_to=msg)
         pid, _ = _partition(settings(context), context)
         return Message(RecordDict({protocol.INFO: ConfigRecord({protocol.PARTITION_ID: pid})}), reply_to=msg)
 

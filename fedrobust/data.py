@@ -52,6 +52,7 @@ __all__ = [
     "PARTITIONERS",
     "DatasetSpec",
     "dataset_spec",
+    "load_local",
     "load_partition",
     "load_test_set",
 ]
@@ -422,3 +423,57 @@ def _to_tensors(name: str, split: datasets.Dataset) -> TensorDataset:
         x = ((x - mean) / std).contiguous()
     y = torch.from_numpy(np.asarray(columns[_LABEL], dtype=np.int64))
     return TensorDataset(x, y)
+
+
+def load_local(path: str | os.PathLike[str], name: str) -> TensorDataset:
+    """A device's own data set, prepared beforehand on the device (deployment).
+
+    Parameters
+    ----------
+    path : str or PathLike
+        One of:
+
+        - a ``.npz`` file with arrays ``x`` and ``y``;
+        - a ``.safetensors`` file with tensors ``x`` and ``y``;
+        - a directory written by :meth:`datasets.Dataset.save_to_disk` with the columns of data set
+          ``name`` (e.g. ``x`` and ``label`` for digits, as :func:`load_partition` reads them).
+
+        ``x`` must have the input shape of data set ``name`` (e.g. 64 features for digits) and
+        ``y`` integer labels in ``[0, num_classes)``; ``x`` is used as given (normalise it as the
+        central data set is).
+    name : str
+        The configured data set, whose input shape and classes the model was built for.
+
+    Raises
+    ------
+    ValueError
+        A missing path, an unknown format, missing arrays, or shapes and labels that do not fit ``name``.
+    """
+    spec = dataset_spec(name)
+    where = Path(path)
+    if not where.exists():
+        raise ValueError(f"data-path {str(where)!r} does not exist")
+    if where.is_dir():
+        x, y = _to_tensors(name, datasets.load_from_disk(str(where))).tensors
+    elif where.suffix == ".npz":
+        with np.load(where, allow_pickle=False) as arrays:
+            if not {"x", "y"} <= set(arrays.files):
+                raise ValueError(f"{where}: an .npz data file needs arrays 'x' and 'y', found {arrays.files}")
+            x, y = torch.from_numpy(arrays["x"].astype(np.float32)), torch.from_numpy(arrays["y"].astype(np.int64))
+    elif where.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(where))
+        if not {"x", "y"} <= set(tensors):
+            raise ValueError(f"{where}: a .safetensors data file needs tensors 'x' and 'y', found {sorted(tensors)}")
+        x, y = tensors["x"].float(), tensors["y"].long()
+    else:
+        raise ValueError(f"{where}: unknown data format; use a .npz or .safetensors file or a save_to_disk directory")
+    if tuple(x.shape[1:]) != tuple(spec.input_shape) or len(x) != len(y) or len(y) == 0:
+        raise ValueError(
+            f"{where}: x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)} do not fit {name} "
+            f"(x [n, {', '.join(map(str, spec.input_shape))}], y [n], n >= 1)"
+        )
+    if int(y.min()) < 0 or int(y.max()) >= spec.num_classes:
+        raise ValueError(f"{where}: labels must be in [0, {spec.num_classes}), got [{int(y.min())}, {int(y.max())}]")
+    return TensorDataset(x.contiguous(), y.contiguous())

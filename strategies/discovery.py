@@ -25,9 +25,10 @@ class Discovery:
     (e.g. NODE_UNAVAILABLE) close the question, so the node is asked again once it is back.
     """
 
-    def __init__(self, grid: Grid, partitions: dict[int, int]) -> None:
+    def __init__(self, grid: Grid, partitions: dict[int, int], answered: set[int]) -> None:
         self.grid = grid
         self.partitions = partitions
+        self.answered = answered
         self.pending: dict[str, int] = {}  # query message id -> node id
 
     def poll(self, *, needed: int = 0, wait: float = 0.0) -> None:
@@ -35,7 +36,7 @@ class Discovery:
         deadline = time.monotonic() + wait
         while True:
             asked = set(self.pending.values())
-            unknown = [n for n in sorted(self.grid.get_node_ids()) if n not in self.partitions and n not in asked]
+            unknown = [n for n in sorted(self.grid.get_node_ids()) if n not in self.answered and n not in asked]
             if unknown:
                 queries = [
                     Message(RecordDict({protocol.CONFIG: ConfigRecord({})}), message_type=MessageType.QUERY, dst_node_id=n)
@@ -48,9 +49,10 @@ class Discovery:
                     node = self.pending.pop(reply.metadata.reply_to_message_id, None)
                     if node is None or reply.has_error() or protocol.INFO not in reply.content.config_records:
                         continue
+                    self.answered.add(node)
                     partition = reply.content[protocol.INFO].get(protocol.PARTITION_ID)
                     if isinstance(partition, int):
                         self.partitions[node] = partition
-            if len(self.partitions) >= needed or time.monotonic() >= deadline:
+            if len(self.answered) >= needed or time.monotonic() >= deadline:
                 return
             time.sleep(POLL_SECONDS)
