@@ -6,16 +6,23 @@
 
 Metrics (metrics.jsonl), the resolved config and the final model land in Hydra's
 run directory.
+
+Exit codes: 0 done; 1 the run could not train (no nodes, no quorum, every client failing), with a
+one-line reason; 2 an invalid configuration, every problem on its own line, before Ray or Flower
+starts; 75 stopped by SIGTERM/SIGINT (run the same command again to resume). ``HYDRA_FULL_ERROR=1``
+raises instead of exiting 1 or 2, with the traceback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, get_type_hints
 
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
@@ -23,13 +30,17 @@ os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from experiments.simulate import simulate  # noqa: E402
-from fedrobust.config import RunConfig, from_nested  # noqa: E402
-from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted  # noqa: E402
+# Only the config module here (no torch): a mistyped override fails in well under a second.
+from fedrobust.config import ConfigError, RunConfig, coerce, format_value, from_nested  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+EXIT_FAILED = 1
+EXIT_INVALID_CONFIG = 2
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
@@ -41,9 +52,100 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return from_nested(values)
 
 
+def _full_error() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _exit_invalid(problems: Sequence[str]) -> NoReturn:
+    print("fedrobust: invalid configuration:", file=sys.stderr)
+    for line in problems:
+        print(f"  {line}", file=sys.stderr)
+    sys.exit(EXIT_INVALID_CONFIG)
+
+
+def _exit_failed(error: Exception) -> NoReturn:
+    print(f"fedrobust: run failed: {' '.join(str(error).split())}", file=sys.stderr)
+    sys.exit(EXIT_FAILED)
+
+
+def _field_hint(key: str) -> tuple[Any, list[str]] | None:
+    """The type of RunConfig setting ``key`` and the valid keys of its section; None inside a parameter table."""
+    node: Any = RunConfig
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return None  # aggregator.params.x and the like: free-form tables
+        hints = get_type_hints(node)
+        if part not in hints:
+            return KeyError, sorted(hints)
+        node = hints[part]
+        if depth == len(parts) - 1:
+            return node, sorted(hints)
+    return None
+
+
+def override_problems(args: Sequence[str]) -> list[str]:
+    """Problems of command-line overrides of RunConfig settings, found before Hydra composes the config.
+
+    Hydra's own messages for a value of the wrong type or an unknown key span several lines and
+    exit with 1; checking the overrides first gives them the same one-line form as every other
+    config problem. Group choices (``aggregator=krum``), sweeps and ``hydra.*`` are left to Hydra.
+    """
+    overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return []  # a syntax error: Hydra reports it, with the position
+    problems: list[str] = []
+    for override in parsed:
+        key = override.key_or_group
+        if override.package is not None or override.is_delete() or override.is_sweep_override():
+            continue
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        found = _field_hint(key)
+        if found is None:
+            continue
+        hint, valid = found
+        value = override.value()
+        if hint is KeyError:
+            if not override.is_add():
+                section = key.rpartition(".")[0] or "run config"
+                problems.append(f"{key}={format_value(value)}: unknown key; valid keys in {section}: {valid}")
+            continue
+        if dataclasses.is_dataclass(hint) or hint is str:
+            continue  # a group choice, or a string: Hydra turns any scalar into one
+        if isinstance(value, str):
+            if "${" in value:
+                continue  # an interpolation, resolved by Hydra
+            # OmegaConf converts quoted numbers ('5') for numeric settings; so do we.
+            for convert in (int, float):
+                try:
+                    value = convert(value)
+                    break
+                except ValueError:
+                    pass
+        try:
+            coerce(hint, value, key)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    run_cfg = to_run_config(cfg)
+    from fedrobust.run_setup import validate
+    from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted, QuorumError
+
+    try:
+        run_cfg = validate(to_run_config(cfg), local_devices=True)
+    except ConfigError as err:
+        if _full_error():
+            raise
+        _exit_invalid(err.problems)
+    # Imported once the config is known to be good: Ray and Flower take seconds to import.
+    from experiments.simulate import simulate
+
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         rows = simulate(run_cfg, out_dir)
@@ -53,10 +155,22 @@ def main(cfg: DictConfig) -> float:
         else:
             print(f"{stopped}; no checkpoint (checkpoint.dir is empty): the same command starts over", flush=True)
         sys.exit(EXIT_PREEMPTED)
+    except QuorumError as failed:  # also NoNodesError and ClientFailureError: nothing (more) could be trained
+        if _full_error():
+            raise
+        _exit_failed(failed)
     final = rows[-1]["accuracy"] if rows else float("nan")
     (out_dir / "final.json").write_text(json.dumps({"accuracy": final, "rounds": len(rows)}))
     return final
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``python -m experiments.run``: check the overrides' types, then let Hydra compose and run."""
+    problems = override_problems(sys.argv[1:])
+    if problems and not _full_error():
+        _exit_invalid(problems)
     main()
+
+
+if __name__ == "__main__":
+    cli()

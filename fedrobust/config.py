@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi")
 AMP_MODES = ("none", "bf16", "fp16")
 RESUME_MODES = ("auto", "never")
+# checkpoint.every_rounds takes an integer or this keyword (adaptive Young/Daly interval).
+CHECKPOINT_INTERVAL_AUTO = "auto"
 
 
 @dataclass
@@ -134,11 +136,21 @@ class GuardConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # fsspec URL or path; empty: no checkpoints
-    every_rounds: int = 1
+    # Rounds between checkpoints (0: only by time and after the last round), or "auto": Young/Daly's
+    # interval sqrt(2 C F) from the measured checkpoint cost C and the MTBF F. One key rather than a
+    # separate mode switch, so a user types `checkpoint.every_rounds=auto` (Hydra) or "auto" (flwr).
+    every_rounds: int | str = 1
     every_seconds: float = 0.0
     keep: int = 3
     resume: str = "auto"
     force_resume: bool = False
+    # fsspec URL (e.g. s3://bucket/run) the local checkpoints in `dir` are uploaded to in the background;
+    # a resume takes the newest valid checkpoint of either place. Empty: no mirror.
+    mirror: str = ""
+    # Incremental checkpoints: a full one every `full_every` saves, deltas in between; 1: all full.
+    full_every: int = 1
+    # Server MTBF in seconds for every_rounds=auto; 0: estimated from the restarts in the checkpoint history.
+    mtbf: float = 0.0
 
 
 @dataclass
@@ -218,26 +230,67 @@ def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def _build(cls: type, values: Mapping[str, Any], path: str) -> Any:
-    """Build dataclass ``cls`` from a nested mapping, rejecting unknown keys and bad types."""
+class ConfigError(ValueError):
+    """An invalid run configuration, with every problem found (not only the first).
+
+    A ``ValueError``, so callers that catch that keep working. ``problems`` holds one line per
+    problem, each naming the setting, its value and what is allowed, e.g.
+    ``"client.lr=-0.1: must be > 0"``; entry points print them one per line.
+
+    Parameters
+    ----------
+    problems : Sequence[str]
+        One-line descriptions of the problems, in the order they were found.
+    """
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  {line}" for line in self.problems))
+
+
+def format_value(value: Any) -> str:
+    """How a setting's value is shown in a problem line: as a user would type it on the command line.
+
+    Strings that could be misread (empty, surrounding spaces, several lines) are quoted.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        plain = value and value == value.strip() and "\n" not in value
+        return value if plain else repr(value)
+    if isinstance(value, Mapping):
+        return json.dumps(value, sort_keys=True, default=str)
+    return repr(value) if value is None else str(value)
+
+
+def _build(cls: type, values: Mapping[str, Any], path: str, problems: list[str]) -> Any:
+    """Build dataclass ``cls`` from a nested mapping; unknown keys and bad types go to ``problems``.
+
+    A setting with a problem keeps its default, so that the rest can still be checked and every
+    problem of the config is reported at once.
+    """
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)
     if unknown:
-        where = f"'{path}'" if path else "the run config"
-        raise ValueError(
-            f"unknown key(s) {unknown} in {where}; valid keys: {sorted(names)}"
-        )
+        where = path or "run config"
+        problems.append(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(names)}")
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
+        if name not in names:
+            continue
         hint = hints[name]
         key = f"{path}.{name}" if path else name
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, Mapping):
-                raise ValueError(f"'{key}' must be a table of settings, got {value!r}")
-            kwargs[name] = _build(hint, value, key)
-        else:
+                problems.append(f"{key}={format_value(value)}: must be a table of settings")
+                continue
+            kwargs[name] = _build(hint, value, key, problems)
+            continue
+        try:
             kwargs[name] = _coerce(hint, value, key)
+        except ValueError as err:
+            problems.append(str(err))
     return cls(**kwargs)
 
 
@@ -247,30 +300,67 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
-        raise ValueError(f"'{key}' must be true or false, got {value!r}")
+        raise ValueError(f"{key}={format_value(value)}: must be true or false")
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
-            raise ValueError(f"'{key}' must be an integer, got {value!r}")
+            raise ValueError(f"{key}={format_value(value)}: must be an integer")
         return int(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"'{key}' must be a number, got {value!r}")
+            raise ValueError(f"{key}={format_value(value)}: must be a number")
         return float(value)
+    if hint == int | str:
+        # An integer, or a keyword such as checkpoint.every_rounds=auto; "5" from a flat string config is 5.
+        if isinstance(value, str):
+            text = value.strip()
+            return int(text) if text.lstrip("+-").isdigit() else text
+        return _coerce(int, value, key)
     if hint is str:
         if not isinstance(value, str):
-            raise ValueError(f"'{key}' must be a string, got {value!r}")
+            raise ValueError(f"{key}={format_value(value)}: must be a string")
         return value
     # dict[str, Any] parameter tables: keep as a plain dict.
     if not isinstance(value, Mapping):
-        raise ValueError(f"'{key}' must be a table of parameters, got {value!r}")
+        raise ValueError(f"{key}={format_value(value)}: must be a table of parameters")
     return dict(value)
 
 
+def coerce(hint: Any, value: Any, key: str) -> Any:
+    """``value`` as the type ``hint`` of setting ``key``, as :func:`from_nested` converts it.
+
+    Raises
+    ------
+    ValueError
+        One line, ``"<key>=<value>: must be ..."``, when ``value`` cannot be that type.
+    """
+    return _coerce(hint, value, key)
+
+
 def from_nested(values: Mapping[str, Any]) -> RunConfig:
-    """Build a :class:`RunConfig` from nested mappings (e.g. a resolved Hydra config)."""
-    return _build(RunConfig, values, "")
+    """Build a :class:`RunConfig` from nested mappings (e.g. a resolved Hydra config).
+
+    Raises
+    ------
+    ConfigError
+        Listing every unknown key and every value of the wrong type.
+    """
+    problems: list[str] = []
+    cfg = _build(RunConfig, values, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def from_flat(flat: Mapping[str, Any]) -> RunConfig:
-    """Build a :class:`RunConfig` from dotted keys (Flower's run config)."""
-    return from_nested(_unflatten(flat))
+    """Build a :class:`RunConfig` from dotted keys (Flower's run config).
+
+    Raises
+    ------
+    ConfigError
+        Listing every unknown key and every value of the wrong type.
+    """
+    try:
+        nested = _unflatten(flat)
+    except ValueError as err:
+        raise ConfigError([str(err)]) from None
+    return from_nested(nested)

@@ -7,20 +7,45 @@ instead of minutes into a run.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
 import numpy as np
+import torch
 
 from fedrobust import aggregators, attacks, data, models
-from fedrobust.config import AMP_MODES, RESUME_MODES, RunConfig
+from fedrobust.config import AMP_MODES, CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, CheckpointConfig, RunConfig
+from fedrobust.config import ConfigError, format_value
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
-
-def _choice(what: str, value: str, valid: list[str] | tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {what} {value!r}; valid choices: {sorted(valid)}")
+from fedrobust.server_optim import ServerOptimizer
 
 
-def _at_least(what: str, value: float, low: float) -> None:
-    if value < low:
-        raise ValueError(f"{what} must be >= {low}, got {value}")
+def _problem(problems: list[str], key: str, value: Any, allowed: str) -> None:
+    problems.append(f"{key}={format_value(value)}: {allowed}")
+
+
+def _at_least(problems: list[str], key: str, value: float, low: float, note: str = "") -> None:
+    if not value >= low:  # also catches NaN
+        _problem(problems, key, value, f"must be >= {low}{note}")
+
+
+def _positive(problems: list[str], key: str, value: float) -> None:
+    if not value > 0:
+        _problem(problems, key, value, "must be > 0")
+
+
+def _in_unit(problems: list[str], key: str, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        _problem(problems, key, value, "must be in [0, 1)")
+
+
+def _choice(problems: list[str], key: str, value: str, valid: Sequence[str]) -> bool:
+    if value in valid:
+        return True
+    _problem(problems, key, value, f"unknown choice; valid choices: {', '.join(sorted(valid))}")
+    return False
 
 
 def build_aggregator(cfg: RunConfig) -> aggregators.Aggregator:
@@ -33,45 +58,257 @@ def build_aggregator(cfg: RunConfig) -> aggregators.Aggregator:
     )
 
 
-def validate(cfg: RunConfig) -> RunConfig:
-    """Raise ``ValueError`` naming the first invalid setting of ``cfg``; return ``cfg`` otherwise."""
-    _at_least("num_clients", cfg.num_clients, 1)
-    _at_least("num_rounds", cfg.num_rounds, 1)
-    _at_least("num_byzantine", cfg.num_byzantine, 0)
-    if cfg.num_byzantine >= cfg.num_clients:
-        raise ValueError(f"num_byzantine ({cfg.num_byzantine}) must be < num_clients ({cfg.num_clients})")
-    if not 1 <= cfg.clients_per_round <= cfg.num_clients:
-        raise ValueError(f"clients_per_round must be in [1, num_clients={cfg.num_clients}], got {cfg.clients_per_round}")
-    _choice("aggregator", cfg.aggregator.name, aggregators.names())
-    for pre in cfg.pre_aggregators():
-        _choice("pre-aggregator", pre, aggregators.pre_names())
-    _choice("dataset", cfg.dataset.name, data.DATASETS)
-    _choice("partition", cfg.partition.name, data.PARTITIONERS)
-    _choice("model", cfg.model.name, models.names())
-    _choice("server_optimizer", cfg.server_optimizer.name, SERVER_OPTIMIZERS)
-    _choice("client.amp", cfg.client.amp, AMP_MODES)
-    _choice("checkpoint.resume", cfg.checkpoint.resume, RESUME_MODES)
-    _choice("attack", cfg.attack.name, ["none", *attacks.names()])
+def _check_counts(cfg: RunConfig, problems: list[str]) -> None:
+    _at_least(problems, "num_clients", cfg.num_clients, 1)
+    _at_least(problems, "num_rounds", cfg.num_rounds, 1)
+    _at_least(problems, "num_byzantine", cfg.num_byzantine, 0)
+    # NumPy's seed sequences (byzantine_partitions, data partitions) take non-negative seeds only.
+    _at_least(problems, "seed", cfg.seed, 0)
+    if cfg.num_clients >= 1 and cfg.num_byzantine >= cfg.num_clients:
+        _problem(problems, "num_byzantine", cfg.num_byzantine, f"must be < num_clients ({cfg.num_clients})")
+    if cfg.num_clients >= 1 and not 1 <= cfg.clients_per_round <= cfg.num_clients:
+        _problem(problems, "clients_per_round", cfg.clients_per_round, f"must be in [1, num_clients={cfg.num_clients}]")
+    elif cfg.clients_per_round < 1:
+        _problem(problems, "clients_per_round", cfg.clients_per_round, "must be >= 1")
+    if cfg.output_dir and Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        _problem(problems, "output_dir", cfg.output_dir, "must be a directory (a file of that name exists)")
+
+
+def _check_components(cfg: RunConfig, problems: list[str]) -> None:
+    """Names of the rule, data, model, optimizer and attack, and the parameters they take."""
+    rule_ok = _choice(problems, "aggregator.name", cfg.aggregator.name, aggregators.names())
+    pre_ok = all(
+        [_choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in cfg.pre_aggregators()]
+    )
+    stray = sorted(set(cfg.aggregator.pre_params) - set(cfg.pre_aggregators()))
+    if stray:
+        _problem(problems, "aggregator.pre_params", cfg.aggregator.pre_params,
+                 f"has parameters for {stray}, which aggregator.pre={cfg.aggregator.pre!r} does not run")
+        pre_ok = False
+    dataset_ok = _choice(problems, "dataset.name", cfg.dataset.name, data.DATASETS)
+    _choice(problems, "partition.name", cfg.partition.name, data.PARTITIONERS)
+    model_ok = _choice(problems, "model.name", cfg.model.name, models.names())
+    _choice(problems, "server_optimizer.name", cfg.server_optimizer.name, SERVER_OPTIMIZERS)
+    attack_ok = _choice(problems, "attack.name", cfg.attack.name, ["none", *attacks.names()])
     if cfg.attack.name != "none" and cfg.num_byzantine == 0:
-        raise ValueError(f"attack {cfg.attack.name!r} needs num_byzantine > 0")
-    _at_least("client.local_epochs", cfg.client.local_epochs, 1)
-    _at_least("client.batch_size", cfg.client.batch_size, 1)
-    _at_least("validation.max_update_norm", cfg.validation.max_update_norm, 0)
-    _at_least("validation.max_num_examples", cfg.validation.max_num_examples, 1)
-    _at_least("fault.round_timeout", cfg.fault.round_timeout, 0.1)
-    _at_least("fault.over_select", cfg.fault.over_select, 0)
-    _at_least("fault.max_round_retries", cfg.fault.max_round_retries, 0)
-    _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
-    if cfg.partition.name == "dirichlet" and not cfg.partition.alpha > 0:
-        raise ValueError(f"partition.alpha must be > 0, got {cfg.partition.alpha}")
-    # Building the rule checks its parameters; its min_n checks f against the round size.
-    rule = build_aggregator(cfg)
-    if cfg.clients_per_round < rule.min_n():
-        raise ValueError(
-            f"f={cfg.num_byzantine} is too large for {cfg.aggregator.name}: it needs at least "
-            f"{rule.min_n()} replies per round, but clients_per_round={cfg.clients_per_round}"
+        _problem(problems, "attack.name", cfg.attack.name, "needs num_byzantine > 0 (or attack=none)")
+    if attack_ok and cfg.attack.name != "none":
+        try:
+            attacks.build(cfg.attack.name, **cfg.attack.params)
+        except (TypeError, ValueError) as err:
+            _problem(problems, "attack.params", cfg.attack.params, str(err))
+    elif cfg.attack.name == "none" and cfg.attack.params:
+        _problem(problems, "attack.params", cfg.attack.params, "attack=none takes no parameters")
+    if model_ok and dataset_ok:
+        spec = data.dataset_spec(cfg.dataset.name)
+        try:
+            # Forked so that checking does not move the global RNG the initial weights are drawn from.
+            with torch.random.fork_rng(devices=[]):
+                models.build_model(cfg.model.name, input_shape=spec.input_shape, num_classes=spec.num_classes,
+                                   **cfg.model.params)
+        except (TypeError, ValueError) as err:
+            if cfg.model.params and "no option" in str(err):
+                _problem(problems, "model.params", cfg.model.params, str(err))
+            else:  # the model cannot take the data set's inputs (e.g. a CNN on flat digits)
+                _problem(problems, "model.name", cfg.model.name, f"{err} (dataset.name={cfg.dataset.name})")
+    if not rule_ok or cfg.num_byzantine < 0:
+        return
+    try:
+        rule = aggregators.build(cfg.aggregator.name, f=cfg.num_byzantine, **cfg.aggregator.params)
+    except (TypeError, ValueError) as err:
+        _problem(problems, "aggregator.params", cfg.aggregator.params, str(err))
+        return
+    if not pre_ok:
+        return
+    try:
+        rule = build_aggregator(cfg)
+    except (TypeError, ValueError) as err:
+        _problem(problems, "aggregator.pre_params", cfg.aggregator.pre_params, str(err))
+        return
+    # The rule's min_n checks f against the round size.
+    if 1 <= cfg.clients_per_round < rule.min_n():
+        _problem(
+            problems, "num_byzantine", cfg.num_byzantine,
+            f"f={cfg.num_byzantine} is too large for {cfg.aggregator.name}: it needs at least {rule.min_n()} "
+            f"replies per round, but clients_per_round={cfg.clients_per_round}",
         )
+
+
+def _check_partition(cfg: RunConfig, problems: list[str]) -> None:
+    _positive(problems, "partition.alpha", cfg.partition.alpha)
+    if cfg.dataset.name in data.DATASETS:
+        num_classes = data.dataset_spec(cfg.dataset.name).num_classes
+        if not 1 <= cfg.partition.classes_per_partition <= num_classes:
+            _problem(problems, "partition.classes_per_partition", cfg.partition.classes_per_partition,
+                     f"must be in [1, {num_classes}] ({cfg.dataset.name} has {num_classes} classes)")
+
+
+def _check_server_optimizer(cfg: RunConfig, problems: list[str]) -> None:
+    opt = cfg.server_optimizer
+    before = len(problems)
+    _positive(problems, "server_optimizer.lr", opt.lr)
+    for name in ("momentum", "beta_1", "beta_2"):
+        _in_unit(problems, f"server_optimizer.{name}", getattr(opt, name))
+    _positive(problems, "server_optimizer.tau", opt.tau)
+    if len(problems) == before and opt.name in SERVER_OPTIMIZERS:
+        # Whatever else the optimizer itself refuses.
+        try:
+            ServerOptimizer(name=opt.name, lr=opt.lr, momentum=opt.momentum, beta_1=opt.beta_1,
+                            beta_2=opt.beta_2, tau=opt.tau)
+        except ValueError as err:
+            _problem(problems, "server_optimizer", opt.name, str(err))
+
+
+def _check_client(cfg: RunConfig, problems: list[str], local_devices: bool) -> None:
+    client = cfg.client
+    _at_least(problems, "client.local_epochs", client.local_epochs, 1)
+    _at_least(problems, "client.batch_size", client.batch_size, 1)
+    _positive(problems, "client.lr", client.lr)
+    _in_unit(problems, "client.momentum", client.momentum)
+    _at_least(problems, "client.weight_decay", client.weight_decay, 0)
+    device = client.device.strip().lower()
+    cuda = device == "cuda" or re.fullmatch(r"cuda:\d+", device) is not None
+    if device not in ("auto", "cpu") and not cuda:
+        _problem(problems, "client.device", client.device, "must be auto, cpu, cuda or cuda:N")
+    elif cuda and local_devices and not torch.cuda.is_available():
+        _problem(problems, "client.device", client.device, "no CUDA device here; use auto or cpu")
+    elif cuda and local_devices and ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
+        _problem(problems, "client.device", client.device,
+                 f"only {torch.cuda.device_count()} CUDA device(s) here (cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    if _choice(problems, "client.amp", client.amp, AMP_MODES) and client.amp == "fp16":
+        # float16 training needs CUDA's GradScaler (fedrobust.training refuses it elsewhere).
+        if device == "cpu":
+            _problem(problems, "client.amp", client.amp, "fp16 needs a CUDA device but client.device=cpu; use bf16 or none")
+        elif device == "auto" and local_devices and not torch.cuda.is_available():
+            _problem(problems, "client.amp", client.amp,
+                     "fp16 needs a CUDA device and client.device=auto is the CPU here (no CUDA); use bf16 or none")
+
+
+def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
+    """Reply validation, deadlines and retries, liveness and the divergence guard."""
+    _at_least(problems, "validation.max_update_norm", cfg.validation.max_update_norm, 0, " (0: no bound)")
+    _at_least(problems, "validation.max_num_examples", cfg.validation.max_num_examples, 1)
+    _positive(problems, "fault.round_timeout", cfg.fault.round_timeout)
+    _at_least(problems, "fault.over_select", cfg.fault.over_select, 0)
+    _at_least(problems, "fault.max_round_retries", cfg.fault.max_round_retries, 0)
+    _at_least(problems, "fault.wait_for_nodes", cfg.fault.wait_for_nodes, 0)
+    live = cfg.liveness
+    _at_least(problems, "liveness.suspect_after", live.suspect_after, 1)
+    if live.suspect_after >= 1 and live.dead_after < live.suspect_after:
+        _problem(problems, "liveness.dead_after", live.dead_after,
+                 f"must be >= liveness.suspect_after ({live.suspect_after})")
+    _at_least(problems, "liveness.backoff_rounds", live.backoff_rounds, 1)
+    if live.backoff_rounds >= 1 and live.max_backoff < live.backoff_rounds:
+        _problem(problems, "liveness.max_backoff", live.max_backoff,
+                 f"must be >= liveness.backoff_rounds ({live.backoff_rounds})")
+    _at_least(problems, "liveness.quarantine_after", live.quarantine_after, 0, " (0: never quarantine)")
+    _at_least(problems, "liveness.quarantine_rounds", live.quarantine_rounds, 1)
+    factor = cfg.guard.divergence_factor
+    if not (factor == 0 or factor > 1):
+        _problem(problems, "guard.divergence_factor", factor, "must be > 1, or 0 to switch the loss check off")
+    if not 0 < cfg.guard.lr_decay <= 1:
+        _problem(problems, "guard.lr_decay", cfg.guard.lr_decay, "must be in (0, 1]")
+
+
+def _check_checkpoint_basics(cfg: RunConfig, problems: list[str]) -> None:
+    """The checkpoint settings every run has; the interval and storage ones are in _check_checkpoint."""
+    _at_least(problems, "checkpoint.keep", cfg.checkpoint.keep, 1)
+    _at_least(problems, "checkpoint.every_seconds", cfg.checkpoint.every_seconds, 0, " (0: no time-based saves)")
+    _choice(problems, "checkpoint.resume", cfg.checkpoint.resume, RESUME_MODES)
+    ckpt_dir = cfg.checkpoint.dir
+    if ckpt_dir and "://" not in ckpt_dir and Path(ckpt_dir).exists() and not Path(ckpt_dir).is_dir():
+        _problem(problems, "checkpoint.dir", ckpt_dir, "must be a directory or URL (a file of that name exists)")
+
+
+def _check_resources(cfg: RunConfig, problems: list[str], local_devices: bool) -> None:
+    trust_dir = cfg.signing.trust_dir
+    if trust_dir and not Path(trust_dir).is_dir():
+        _problem(problems, "signing.trust_dir", trust_dir, "no such directory (the trust store made by fedrobust.keygen)")
+    _positive(problems, "simulation.client_cpus", cfg.simulation.client_cpus)
+    _at_least(problems, "simulation.client_gpus", cfg.simulation.client_gpus, 0)
+    if cfg.simulation.client_gpus > 0 and local_devices and not torch.cuda.is_available():
+        # Ray would wait forever for a GPU to schedule the clients on.
+        _problem(problems, "simulation.client_gpus", cfg.simulation.client_gpus, "no CUDA device here; use 0")
+
+
+def config_problems(cfg: RunConfig, *, local_devices: bool = False) -> list[str]:
+    """Every problem of ``cfg``, one line each (``"<key>=<value>: <what is allowed>"``); empty when valid.
+
+    Parameters
+    ----------
+    cfg : RunConfig
+        The run to check.
+    local_devices : bool, default False
+        Whether the clients train on this machine (Hydra simulation): then ``client.device=cuda``,
+        ``amp=fp16`` and ``simulation.client_gpus`` are also checked against the GPUs here. Off for
+        the server of a deployment, whose clients may have GPUs the server lacks.
+    """
+    problems: list[str] = []
+    checks: list[Callable[[], None]] = [
+        lambda: _check_counts(cfg, problems),
+        lambda: _check_components(cfg, problems),
+        lambda: _check_partition(cfg, problems),
+        lambda: _check_server_optimizer(cfg, problems),
+        lambda: _check_client(cfg, problems, local_devices),
+        lambda: _check_rounds(cfg, problems),
+        lambda: _check_checkpoint_basics(cfg, problems),
+        lambda: _check_checkpoint(cfg.checkpoint),
+        lambda: _check_resources(cfg, problems, local_devices),
+    ]
+    for check in checks:
+        # A check that raises (rather than appending) still reports its one problem with the others.
+        try:
+            check()
+        except ValueError as err:
+            problems.append(" ".join(str(err).split()))
+    return problems
+
+
+def validate(cfg: RunConfig, *, local_devices: bool = False) -> RunConfig:
+    """Check every setting of ``cfg``; return ``cfg`` when valid.
+
+    Parameters
+    ----------
+    cfg : RunConfig
+        The run to check.
+    local_devices : bool, default False
+        Also check the GPU settings against this machine (see :func:`config_problems`).
+
+    Returns
+    -------
+    RunConfig
+        ``cfg`` itself.
+
+    Raises
+    ------
+    ConfigError
+        A ``ValueError`` listing every problem found, one line each.
+    """
+    problems = config_problems(cfg, local_devices=local_devices)
+    if problems:
+        raise ConfigError(problems)
     return cfg
+
+
+def _check_checkpoint(ck: CheckpointConfig) -> None:
+    """The interval and storage settings of checkpoints; raises on the first problem, naming the valid values."""
+    every = ck.every_rounds
+    if isinstance(every, bool) or not (every == CHECKPOINT_INTERVAL_AUTO or isinstance(every, int) and every >= 0):
+        raise ValueError(
+            f"checkpoint.every_rounds={every}: must be an integer >= 0 (0: only by time and after the last round) "
+            f"or {CHECKPOINT_INTERVAL_AUTO} (Young/Daly interval from the measured checkpoint cost and the MTBF)"
+        )
+    if ck.full_every < 1:
+        raise ValueError(
+            f"checkpoint.full_every={ck.full_every}: must be an integer >= 1 (1: every checkpoint full; K: a full "
+            "one every K saves, deltas in between)"
+        )
+    if not ck.mtbf >= 0:
+        raise ValueError(f"checkpoint.mtbf={ck.mtbf}: must be >= 0 seconds (0: estimated from the restarts)")
+    if ck.mirror and not ck.dir:
+        raise ValueError(
+            f"checkpoint.mirror={ck.mirror}: needs checkpoint.dir, the local directory written first and uploaded"
+        )
 
 
 def byzantine_partitions(cfg: RunConfig) -> frozenset[int]:

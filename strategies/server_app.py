@@ -11,16 +11,18 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 from safetensors.torch import save_file
 
-from fedrobust.config import RunConfig, from_flat
-from fedrobust.run_setup import validate
+from fedrobust import attacks
+from fedrobust.config import ConfigError, RunConfig, from_flat
+from fedrobust.run_setup import config_problems, validate
 from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
 from fedrobust.strategies.from_config import strategy_from_config
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
@@ -44,6 +46,47 @@ def install_stop_handlers(request_stop: Callable[[], None]) -> bool:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return True
+
+
+def checked_run_config(run_config: Mapping[str, Any]) -> RunConfig:
+    """The :class:`RunConfig` of Flower's run config, with every problem logged on its own line.
+
+    Parameters
+    ----------
+    run_config : Mapping[str, Any]
+        ``context.run_config``: ``[tool.flwr.app.config]`` with the ``--run-config`` overrides.
+
+    Returns
+    -------
+    RunConfig
+        The checked config.
+
+    Raises
+    ------
+    ConfigError
+        After logging ``fedrobust: invalid configuration:`` and one line per problem, so that the run
+        fails before its first round and ``flwr log`` shows why.
+    """
+    try:
+        run_cfg = from_flat(run_config)
+    except ConfigError as err:
+        problems = err.problems
+    else:
+        problems = config_problems(run_cfg)
+        if run_cfg.attack.name in attacks.omniscient_names():
+            # They need every honest update of a round, which only the Hydra simulation's hook hands
+            # them (experiments.adversary); here they would silently do nothing.
+            problems.append(
+                f"attack.name={run_cfg.attack.name}: omniscient attacks run only in Hydra simulation "
+                f"(python -m experiments.run); under flwr run use a client-side attack "
+                f"({', '.join(attacks.client_names())})"
+            )
+    if problems:
+        log.error("fedrobust: invalid configuration:")
+        for line in problems:
+            log.error("  %s", line)
+        raise ConfigError(problems)
+    return run_cfg
 
 
 def run_experiment(
@@ -92,7 +135,7 @@ def make_server_app(
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        run_cfg = cfg if cfg is not None else from_flat(context.run_config)
+        run_cfg = cfg if cfg is not None else checked_run_config(context.run_config)
         target = out_dir if out_dir is not None else Path(run_cfg.output_dir or f"outputs/run-{grid.run.run_id}")
         hook = on_strategy
         if hook is None:
