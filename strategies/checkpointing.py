@@ -1,9 +1,10 @@
 """What a round checkpoint holds for the server, and how a run resumes from one.
 
-The store itself (atomic, checksummed, fsspec, no pickle) is
-:class:`fedrobust.checkpoint.CheckpointStore`; this module decides what goes in: the global
-model, the strategy's state (server optimizer, aggregator, liveness and quarantine, key pins), RNG
-states, divergence-guard state, the metrics history and the settings the run was started with.
+The store itself (atomic, checksummed, fsspec, no pickle; optionally incremental and mirrored) is
+built by :func:`fedrobust.checkpoint.open_store`; this module decides what goes in and when: the
+global model, the strategy's state (server optimizer, aggregator, liveness and quarantine, key pins),
+RNG states, divergence-guard state, the metrics history, the adaptive interval's state and the
+settings the run was started with.
 """
 
 from __future__ import annotations
@@ -24,16 +25,21 @@ from fedrobust.checkpoint import (
     CONFIG_HASH_KEY,
     CheckpointMismatchError,
     CheckpointStore,
+    MirroredStore,
     capture_rng_state,
     config_hash,
     join_groups,
+    open_store,
     restore_rng_state,
     split_groups,
 )
+from fedrobust.checkpoint_interval import AdaptiveInterval
+from fedrobust.config import CHECKPOINT_INTERVAL_AUTO
 
 log = logging.getLogger(__name__)
 
 SETTINGS_KEY = "settings"
+INTERVAL_KEY = "interval"
 
 
 class NoValidCheckpointError(RuntimeError):
@@ -61,7 +67,10 @@ class ResumePoint:
 
 
 class RoundCheckpointer:
-    """Saves the server's state every k rounds and/or every T seconds, written in the background.
+    """Saves the server's state every k rounds (or an adaptive interval) and/or every T seconds.
+
+    Checkpoints are serialized on the loop's thread and written in the background; with a mirror
+    they are then uploaded in the background too.
 
     Parameters
     ----------
@@ -70,6 +79,22 @@ class RoundCheckpointer:
     settings : mapping
         The settings of the run; a checkpoint saved with other settings is not resumed unless
         ``force``, and the refusal names the settings that differ.
+    every_rounds : int or "auto"
+        Rounds between checkpoints (0: only by time); ``"auto"``: an :class:`AdaptiveInterval`
+        fed by :meth:`observe_round` and :meth:`observe_checkpoint`.
+    every_seconds, keep, resume, force
+        Checkpoint at least every T seconds; keep the newest n; ``never`` ignores existing
+        checkpoints; resume from one saved with other settings.
+    full_every : int
+        Incremental mode: a full checkpoint every K saves, deltas in between.
+    storage_options : mapping, optional
+        fsspec options of the remote store (the mirror when given, else ``url``).
+    mirror : str, optional
+        fsspec URL each local checkpoint is uploaded to in the background.
+    mtbf : float, optional
+        MTBF in seconds for ``"auto"``; None: estimated from the restarts in the checkpoint history.
+    num_rounds : int, optional
+        Rounds of the run: the last one is always due, and the adaptive interval is at most this.
     """
 
     def __init__(
@@ -77,31 +102,80 @@ class RoundCheckpointer:
         url: str | None,
         *,
         settings: Mapping[str, Any],
-        every_rounds: int = 1,
+        every_rounds: int | str = 1,
         every_seconds: float = 0.0,
         keep: int = 3,
         resume: str = "auto",
         force: bool = False,
+        full_every: int = 1,
+        storage_options: Mapping[str, Any] | None = None,
+        mirror: str | None = None,
+        mtbf: float | None = None,
+        num_rounds: int | None = None,
     ) -> None:
+        if mirror is not None and url is None:
+            raise ValueError(f"a checkpoint mirror ({mirror!r}) needs a checkpoint directory, written first")
+        for where in (url, mirror):
+            if where is not None:
+                _check_writable(where)
+        self.store: CheckpointStore | MirroredStore | None = None
         if url is not None:
-            _check_writable(url)
-        self.store = CheckpointStore(url, keep=keep) if url is not None else None
+            remote_options = dict(storage_options) if storage_options else None
+            self.store = open_store(
+                url,
+                keep=keep,
+                full_every=full_every,
+                storage_options=None if mirror is not None else remote_options,
+                mirror=mirror,
+                mirror_storage_options=remote_options if mirror is not None else None,
+            )
         self.url = url
+        self.mirror = mirror
         self.settings = json.loads(json.dumps(dict(settings), sort_keys=True, default=str))
         self.fingerprint = config_hash(self.settings)
         self.every_rounds = every_rounds
         self.every_seconds = every_seconds
         self.resume = resume
         self.force = force
+        self.num_rounds = num_rounds
+        self.interval: AdaptiveInterval | None = None
+        if every_rounds == CHECKPOINT_INTERVAL_AUTO:
+            self.interval = AdaptiveInterval(max_interval=max(num_rounds or 1, 1), mtbf_seconds=mtbf)
+        elif not isinstance(every_rounds, int) or every_rounds < 0:
+            raise ValueError(
+                f"every_rounds must be an integer >= 0 or {CHECKPOINT_INTERVAL_AUTO!r}, got {every_rounds!r}"
+            )
         self._last_time = time.monotonic()
         self.last_round = 0
+        self.resumed_from: str | None = None
 
     def due(self, server_round: int) -> bool:
+        """Whether to checkpoint after ``server_round`` (the last round of the run always is)."""
         if self.store is None:
             return False
-        by_rounds = self.every_rounds > 0 and server_round % self.every_rounds == 0
+        if self.num_rounds is not None and server_round >= self.num_rounds:
+            return True
+        if self.interval is not None:
+            by_rounds = self.interval.due(server_round)
+        else:
+            by_rounds = self.every_rounds > 0 and server_round % self.every_rounds == 0
         by_time = self.every_seconds > 0 and time.monotonic() - self._last_time >= self.every_seconds
         return by_rounds or by_time
+
+    def observe_round(self, seconds: float) -> None:
+        """Report one round's wall time (without its checkpoint) to the adaptive interval."""
+        if self.interval is not None:
+            self.interval.observe_round(seconds)
+
+    def observe_checkpoint(self, blocking_seconds: float, server_round: int) -> None:
+        """Report how long the save of ``server_round`` blocked the loop to the adaptive interval."""
+        if self.interval is not None:
+            self.interval.observe_checkpoint(blocking_seconds, round=server_round)
+
+    @property
+    def current_interval(self) -> int | None:
+        """Rounds between checkpoints the adaptive interval asks for now; None with a fixed interval."""
+        return None if self.interval is None else self.interval.interval
 
     def save(
         self,
@@ -135,6 +209,10 @@ class RoundCheckpointer:
                 "rows": rows,
                 "clients": dict(client_state or {}),
             }
+            if self.interval is not None:
+                # The restart history and moving averages must outlive the process: the MTBF estimate
+                # is built from them.
+                meta[INTERVAL_KEY] = self.interval.state_dict()
             self.store.save_async(server_round, tensors, meta)
             self._last_time = time.monotonic()
             self.last_round = server_round
@@ -143,7 +221,9 @@ class RoundCheckpointer:
         return True
 
     def restore(self) -> ResumePoint | None:
-        """The latest valid checkpoint (``resume=auto``), or None when there is none.
+        """The latest valid checkpoint (``resume=auto``) of the store or its mirror, or None when there is none.
+
+        With the adaptive interval, its saved state is restored and this resume recorded as a restart.
 
         Raises
         ------
@@ -158,8 +238,9 @@ class RoundCheckpointer:
         checkpoint = self.store.latest_valid(None)
         if checkpoint is None:
             if self.store.rounds():
+                where = self.url if self.mirror is None else f"{self.url} or its mirror {self.mirror}"
                 raise NoValidCheckpointError(
-                    f"no checkpoint in {self.url} verifies (rounds {self.store.rounds()}; reasons in the log "
+                    f"no checkpoint in {where} verifies (rounds {self.store.rounds()}; reasons in the log "
                     "above). Move them aside to keep them, or start fresh with resume='never' "
                     "(checkpoint.resume=never)."
                 )
@@ -180,6 +261,12 @@ class RoundCheckpointer:
         groups = split_groups(checkpoint.tensors)
         restore_rng_state(groups.get("rng", {}), meta["rng"])
         self.last_round = checkpoint.round
+        self.resumed_from = checkpoint.path
+        if self.interval is not None:
+            if isinstance(meta.get(INTERVAL_KEY), Mapping):
+                self.interval.load_state_dict(meta[INTERVAL_KEY], checkpoint.round)
+            self.interval.record_restart()
+            log.info("checkpoint interval after resume: %r", self.interval)
         log.info("resuming after round %d from %s", checkpoint.round, checkpoint.path)
         return ResumePoint(
             round=checkpoint.round,

@@ -63,9 +63,14 @@ class RoundLoop:
             keep=s.checkpoint_keep,
             resume=s.resume,
             force=s.force_resume,
+            full_every=s.checkpoint_full_every,
+            storage_options=s.checkpoint_storage_options,
+            mirror=s.checkpoint_mirror,
+            mtbf=s.checkpoint_mtbf,
+            num_rounds=num_rounds,
         )
         self.metrics = MetricsLog(s.metrics_path, num_rounds, echo=s.progress)
-        self.discovery = Discovery(grid, s.partitions) if s.discover_partitions else None
+        self.discovery = Discovery(grid, s.partitions, s.answered) if s.discover_partitions else None
         self.guard = GuardState()
         self.result = Result()
 
@@ -85,7 +90,7 @@ class RoundLoop:
             for row in resumed.rows:
                 self._record(row)
             first_round = resumed.round + 1
-            self.metrics.say(f"resumed after round {resumed.round} from {self.checkpointer.url}")
+            self.metrics.say(f"resumed after round {resumed.round} from {self.checkpointer.resumed_from}")
         elif self.evaluate_fn is not None:
             initial = self.evaluate_fn(0, arrays)
             if initial is not None:
@@ -116,6 +121,7 @@ class RoundLoop:
         while server_round <= self.num_rounds:
             if s.stop_requested:
                 raise Preempted(f"stopped before round {server_round}")
+            round_started = time.perf_counter()
             before = (arrays, _copy_state(s.state_dict()))
             row, new_arrays = self._train_round(arrays, server_round)
             row.update(self._evaluate(server_round, new_arrays))
@@ -134,12 +140,17 @@ class RoundLoop:
                 self.guard.best_loss = min(self.guard.best_loss, row["loss"])
             row["rollbacks"] = self.guard.rollbacks
             row["liveness"] = s.liveness.snapshot()
+            # The adaptive interval weighs a checkpoint's blocking time against the round time without it.
+            self.checkpointer.observe_round(time.perf_counter() - round_started)
+            if self.checkpointer.current_interval is not None:
+                row["checkpoint_interval"] = self.checkpointer.current_interval  # the interval this round obeyed
             if self.checkpointer.due(server_round) or server_round == self.num_rounds:
                 t0 = time.perf_counter()
                 self.checkpointer.save(
                     server_round, self._state_of(arrays), s.state_dict(), [*self.metrics.rows, row], self.guard
                 )
                 row["seconds_checkpoint_blocking"] = time.perf_counter() - t0
+                self.checkpointer.observe_checkpoint(row["seconds_checkpoint_blocking"], server_round)
             self.metrics.add(row)
             self._record(row)
             server_round += 1
@@ -156,7 +167,7 @@ class RoundLoop:
             have = len(list(self.grid.get_node_ids()))
             if self.discovery is not None:
                 self.discovery.poll()
-                have = len(s.partitions)
+                have = len(s.answered)
             if have >= need:
                 break
             if time.monotonic() >= deadline:
@@ -313,7 +324,7 @@ _OWN_KEYS = frozenset(
     {
         "round", "sampled", "accepted", "rejected", "rejected_nodes", "dropped", "dropped_nodes", "client_errors",
         "quarantined", "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
-        "seconds_checkpoint_blocking", "rollbacks", "liveness", "federated_evaluate",
+        "seconds_checkpoint_blocking", "checkpoint_interval", "rollbacks", "liveness", "federated_evaluate",
     }
 )
 

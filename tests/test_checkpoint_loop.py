@@ -1,0 +1,193 @@
+"""The round loop with the store's features switched on from the run config: a mirror on S3 (moto), incremental
+checkpoints and the adaptive (Young/Daly) interval. Each run is the real strategy loop, in process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from experiments.inprocess import run_inprocess
+from fedrobust import RobustStrategy
+from fedrobust.checkpoint import CheckpointStore
+from fedrobust.config import RunConfig, from_flat
+from fedrobust.run_setup import validate
+from tests.simulation_helpers import small_config
+
+
+def _final_bytes(cfg: RunConfig) -> bytes:
+    return (Path(cfg.output_dir) / "final_model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_4_rounds(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """Final model bytes of a 4-round run without checkpoints: what every resumed run must reproduce."""
+    cfg = small_config(tmp_path_factory.mktemp("reference"), num_rounds=4)
+    run_inprocess(cfg, Path(cfg.output_dir))
+    return _final_bytes(cfg)
+
+
+def _blocking_rounds(rows: list[dict]) -> list[int]:
+    return [r["round"] for r in rows if "seconds_checkpoint_blocking" in r]
+
+
+# ------------------------------------------------------------------------------------------------ mirror
+def test_resume_from_the_mirror_after_the_local_directory_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, uninterrupted_4_rounds: bytes
+) -> None:
+    pytest.importorskip("moto")
+    from experiments.local_s3 import local_s3
+
+    local = tmp_path / "ckpt"
+    with local_s3() as s3:
+        # The run config carries no secrets: endpoint and credentials come from the environment, as in production.
+        for name, value in s3.env().items():
+            monkeypatch.setenv(name, value)
+        mirror = f"s3://{s3.bucket}/run"
+        overrides = {"checkpoint.dir": str(local), "checkpoint.mirror": mirror}
+        first = small_config(tmp_path / "a", num_rounds=2, **overrides)
+        run_inprocess(first, Path(first.output_dir))
+        remote = CheckpointStore(mirror, storage_options=s3.storage_options, _create=False)
+        assert remote.rounds() == [1, 2]  # uploads were flushed when the run ended
+
+        shutil.rmtree(local)  # the server's disk is gone; only the mirror holds the run
+        resumed = small_config(tmp_path / "b", num_rounds=4, **overrides)
+        with caplog.at_level(logging.INFO, logger="fedrobust.strategies.checkpointing"):
+            rows = run_inprocess(resumed, Path(resumed.output_dir))
+        assert remote.rounds()[-1] == 4
+
+    assert any("resuming after round 2" in m and s3.bucket in m for m in caplog.messages), caplog.messages
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert _blocking_rounds(rows[2:]) == [3, 4]  # rounds 1-2 came from the checkpoint's history
+    assert _final_bytes(resumed) == uninterrupted_4_rounds
+    assert CheckpointStore(str(local)).rounds()[-1] == 4  # local writing went on after the resume
+
+
+# ------------------------------------------------------------------------------------------- incremental
+def test_incremental_checkpoints_resume_from_a_delta_to_identical_bytes(
+    tmp_path: Path, uninterrupted_4_rounds: bytes
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    overrides = {"checkpoint.dir": str(ckpt), "checkpoint.full_every": 3}
+    first = small_config(tmp_path / "a", num_rounds=3, **overrides)
+    run_inprocess(first, Path(first.output_dir))
+    kinds = {
+        p.parent.name: json.loads(p.read_text()).get("kind", "full") for p in sorted(ckpt.glob("round-*/manifest.json"))
+    }
+    # Round 1 is full, 2 and 3 are deltas: the resume below restores round 3 through its chain.
+    assert kinds == {"round-000001": "full", "round-000002": "delta", "round-000003": "delta"}
+
+    resumed = small_config(tmp_path / "b", num_rounds=4, **overrides)
+    rows = run_inprocess(resumed, Path(resumed.output_dir))
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert _final_bytes(resumed) == uninterrupted_4_rounds
+
+
+# ------------------------------------------------------------------------------------------ auto interval
+def test_auto_interval_grows_to_the_run_length_and_always_saves_the_last_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, uninterrupted_4_rounds: bytes
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    # A long MTBF makes sqrt(2 C F) far longer than the run: after measuring round 1's checkpoint, the interval
+    # is clamped to num_rounds, and only the last round (always) is checkpointed again.
+    cfg = small_config(tmp_path / "a", num_rounds=4, **{
+        "checkpoint.dir": str(ckpt), "checkpoint.every_rounds": "auto", "checkpoint.mtbf": 1e9,
+    })
+    with caplog.at_level(logging.INFO, logger="fedrobust.checkpoint_interval"):
+        rows = run_inprocess(cfg, Path(cfg.output_dir))
+    assert any("checkpoint interval 1 -> 4 rounds" in m for m in caplog.messages), caplog.messages
+    assert [r["checkpoint_interval"] for r in rows] == [1, 4, 4, 4]
+    assert _blocking_rounds(rows) == [1, 4]
+    assert _final_bytes(cfg) == uninterrupted_4_rounds
+    state = CheckpointStore(str(ckpt)).latest_valid().meta["interval"]
+    assert state["round_seconds"] > 0 and state["checkpoint_seconds"] > 0 and state["last_checkpoint_round"] == 1
+
+
+def test_auto_interval_state_and_restarts_survive_a_resume(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    overrides = {"checkpoint.dir": str(ckpt), "checkpoint.every_rounds": "auto", "checkpoint.mtbf": 1e9}
+    first = small_config(tmp_path / "a", num_rounds=2, **overrides)
+    run_inprocess(first, Path(first.output_dir))
+    saved = CheckpointStore(str(ckpt)).latest_valid().meta["interval"]
+    assert saved["restarts"] == [] and saved["interval"] == 2
+
+    resumed = small_config(tmp_path / "b", num_rounds=5, **overrides)
+    rows = run_inprocess(resumed, Path(resumed.output_dir))
+    # Restored: the last checkpoint was round 2 and the interval grows to the new run length (5), so rounds 3
+    # and 4 are skipped. A fresh interval would have checkpointed round 3 (nothing saved yet in its history).
+    assert _blocking_rounds(rows[2:]) == [5]
+    assert [r["checkpoint_interval"] for r in rows[2:]] == [5, 5, 5]
+    state = CheckpointStore(str(ckpt)).latest_valid().meta["interval"]
+    assert state["started"] == saved["started"]  # the MTBF estimate keeps counting from the first start
+    assert len(state["restarts"]) == 1  # this resume was recorded as a restart
+
+
+def test_auto_interval_estimates_the_mtbf_without_one(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path / "a", num_rounds=3, **{
+        "checkpoint.dir": str(tmp_path / "ckpt"), "checkpoint.every_rounds": "auto",
+    })
+    rows = run_inprocess(cfg, Path(cfg.output_dir))
+    assert all(1 <= r["checkpoint_interval"] <= 3 for r in rows)
+    assert _blocking_rounds(rows)[0] == 1 and _blocking_rounds(rows)[-1] == 3
+
+
+# ------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("checkpoint.every_rounds", "sometimes", r"every_rounds=sometimes: must be an integer >= 0 .* or auto \("),
+        ("checkpoint.every_rounds", -1, r"every_rounds=-1: must be an integer >= 0 .* or auto \("),
+        ("checkpoint.full_every", 0, r"full_every=0: must be an integer >= 1 \(1: every checkpoint full"),
+        ("checkpoint.mtbf", -5.0, r"mtbf=-5.0: must be >= 0 seconds \(0: estimated"),
+        ("checkpoint.mirror", "s3://bucket/run", r"mirror=s3://bucket/run: needs checkpoint.dir"),
+    ],
+)
+def test_bad_checkpoint_settings_fail_validation_naming_valid_values(
+    tmp_path: Path, key: str, value: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_inprocess(small_config(tmp_path, **{key: value}), tmp_path / "out")
+
+
+def test_hydra_override_every_rounds_auto_and_numbers() -> None:
+    from tests.test_config import _compose
+
+    assert validate(_compose("checkpoint.every_rounds=auto")).checkpoint.every_rounds == "auto"
+    assert validate(_compose("checkpoint.every_rounds=5")).checkpoint.every_rounds == 5
+    with pytest.raises(ValueError, match="or auto"):
+        validate(_compose("checkpoint.every_rounds=sometimes"))
+    flat = _compose("checkpoint.every_rounds=auto", "checkpoint.full_every=4").to_flat()
+    assert from_flat(flat).checkpoint.every_rounds == "auto" and from_flat(flat).checkpoint.full_every == 4
+    assert from_flat({"checkpoint.every_rounds": "3"}).checkpoint.every_rounds == 3  # flwr --run-config strings
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"checkpoint_every": "sometimes"}, r"checkpoint_every must be an integer >= 0 .* or 'auto'"),
+        ({"checkpoint_full_every": 0}, r"checkpoint_full_every must be an integer >= 1"),
+        ({"checkpoint_mtbf": 0.0}, r"checkpoint_mtbf must be > 0 seconds \(None: estimated"),
+        ({"checkpoint_mirror": "s3://b/run"}, r"checkpoint_mirror='s3://b/run' needs checkpoint_dir"),
+        ({"checkpoint_dir": "x", "checkpoint_storage_options": ["key"]}, r"checkpoint_storage_options must be a map"),
+    ],
+)
+def test_strategy_checks_checkpoint_arguments_up_front(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RobustStrategy("mean", **kwargs)
+
+
+def test_strategy_accepts_the_store_features() -> None:
+    strategy = RobustStrategy(
+        "mean",
+        checkpoint_dir="ckpt",
+        checkpoint_every="auto",
+        checkpoint_mirror="s3://bucket/run",
+        checkpoint_full_every=5,
+        checkpoint_storage_options={"anon": False},
+        checkpoint_mtbf=3600.0,
+    )
+    assert (strategy.checkpoint_every, strategy.checkpoint_full_every, strategy.checkpoint_mtbf) == ("auto", 5, 3600.0)
+    assert strategy.checkpoint_mirror == "s3://bucket/run" and strategy.checkpoint_storage_options == {"anon": False}
