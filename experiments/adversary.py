@@ -3,8 +3,10 @@
 It sees every honest update of the round, which no real attacker on a device
 can, so it lives here and is installed only by the simulation entry point as
 the strategy's ``update_hook``. The Byzantine clients mark their replies
-(``sim-byzantine``); the hook replaces those rows with crafted ones before the
-server validates and aggregates them, as if the clients had sent them.
+(``sim-byzantine``); the hook overwrites those rows of the server's update
+matrix with crafted ones before the server aggregates them, as if the clients
+had sent them. The server checks the rewritten rows again (finiteness, norm
+bound), as it checked what the clients sent.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ import torch
 
 from fedrobust import attacks
 from fedrobust.config import RunConfig
-from fedrobust.tensors import flatten, float_keys, unflatten
+from fedrobust.strategies.robust_strategy import UpdateHook
 from fedrobust.training import derive_seed
-from fedrobust.strategies.robust_strategy import ClientUpdate, UpdateHook
 
 
 def omniscient_hook(cfg: RunConfig) -> UpdateHook | None:
@@ -24,16 +25,15 @@ def omniscient_hook(cfg: RunConfig) -> UpdateHook | None:
         return None
     attack = attacks.build(cfg.attack.name, **cfg.attack.params)
 
-    def craft(server_round: int, updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        honest = [u for u in updates if not u.sim_byzantine]
-        byzantine = [u for u in updates if u.sim_byzantine]
-        if not honest or not byzantine:
-            return updates
-        keys = float_keys(honest[0].update)
+    def craft(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor) -> list[int]:
+        """Overwrite the Byzantine rows of ``rows`` in place; return their indices."""
+        targets = torch.nonzero(byzantine).flatten().tolist()
+        if not targets or len(targets) == rows.shape[0]:
+            return []
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, server_round, -1))
-        rows = attack.craft(flatten([u.update for u in honest], keys), f=len(byzantine), generator=generator)
-        for update, row in zip(byzantine, rows):
-            update.update = {**update.update, **unflatten(row, update.update, keys)}
-        return updates
+        # Boolean indexing copies the honest rows: the attack must not see its own rows change.
+        crafted = attack.craft(rows[~byzantine], f=len(targets), generator=generator)
+        rows[targets] = crafted.to(rows.dtype)
+        return targets
 
     return craft

@@ -20,7 +20,11 @@ Entries:
   rounds (``reset``), as the strategy should;
 * with ``--strategy``, ``RobustStrategy(aggregator=rule, num_byzantine=f).aggregate_train``
   itself (entries ``strategy:<rule>``), after its ``configure_train`` (it computes each update
-  against the global model it sent).
+  against the global model it sent). It takes the same path as ``fedrobust_path`` plus what a
+  server needs on top: the fixed node order, signature and num-examples checks, outcome
+  bookkeeping, the server optimizer's flat step into a buffer kept across rounds; and it empties
+  each reply's ArrayRecord once its row is written (as Flower's FedMedian pops the arrays it reads),
+  so the reply's bytes can be freed while the next replies are processed.
 
 With ``--rounds 2`` each process then builds a second set of replies and calls the same
 strategy object again: round 1 pays for first-touching new memory (on this VM a page fault per

@@ -237,6 +237,11 @@ class UpdateMatrix:
         """L2 norms of the accepted rows, ``[len]`` float64 (computed by ``add``/``recheck``), a view."""
         return self._norms[: self._len]
 
+    @property
+    def keys(self) -> list[str]:
+        """Names of the template's floating-point tensors, in row order."""
+        return list(self._keys)
+
     def global_flat(self) -> torch.Tensor:
         """The template's floating-point tensors as one ``[d]`` float32 vector (shared, do not modify)."""
         return self._global

@@ -8,16 +8,22 @@ Two conventions are accepted, so that any ClientApp works unchanged:
 
 Either way the metrics come from the MetricRecord ``metrics`` (or the only MetricRecord), with the
 example count under ``weighted_by_key`` (``num-examples``), as Flower's FedAvg reads them.
+
+The arrays are not loaded: they are read-only NumPy views on the reply's own bytes
+(:func:`~fedrobust.strategies.reply_arrays.array_views`), which the strategy checks and writes
+into its update matrix in one pass. :meth:`ParsedReply.release` then drops them from the reply,
+as Flower's FedMedian pops the arrays it has read, so their bytes can be freed during the round.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from flwr.app import ConfigRecord, RecordDict
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedrobust import protocol
+from fedrobust.strategies.reply_arrays import array_views
 from fedrobust.validation import Rejection
 
 MALFORMED_REPLY = "malformed_reply"
@@ -27,13 +33,26 @@ MALFORMED_REPLY = "malformed_reply"
 class ParsedReply:
     """The parts of one reply the strategy validates, still as the client sent them."""
 
-    arrays: dict[str, torch.Tensor]
+    arrays: dict[str, np.ndarray]  # read-only views on the bytes of ``record``: no copy
     full_weights: bool  # Flower's convention: local weights, not an update
     num_examples: float
     metrics: dict[str, float]
     signature: ConfigRecord | None
     # Simulation-only marker of a Byzantine sender (see fedrobust.protocol.SIM_BYZANTINE).
     sim_byzantine: bool = False
+    record: ArrayRecord | None = None  # the reply's ArrayRecord the views read from
+
+    def release(self) -> None:
+        """Drop the views and empty the reply's ArrayRecord, so that its bytes can be freed.
+
+        The caller's list of replies keeps each Message alive until the round ends; only removing
+        the arrays from the record lets the memory go while the next replies are processed.
+        Flower's own FedMedian and FedTrimmedAvg ``pop`` the arrays of the replies they read.
+        """
+        self.arrays = {}
+        if self.record is not None:
+            self.record.clear()
+            self.record = None
 
 
 def parse_reply(content: RecordDict, *, arrayrecord_key: str, weighted_by_key: str) -> ParsedReply | Rejection:
@@ -58,8 +77,8 @@ def parse_reply(content: RecordDict, *, arrayrecord_key: str, weighted_by_key: s
     if isinstance(num_examples, bool) or not isinstance(num_examples, int | float):
         return Rejection(MALFORMED_REPLY, f"{weighted_by_key!r} missing or not a number")
     try:
-        arrays = dict(record.to_torch_state_dict())
-    except (ValueError, TypeError, RuntimeError, KeyError) as err:
+        arrays = array_views(record)  # checks each .npy header against its Array's dtype and shape
+    except ValueError as err:
         return Rejection(MALFORMED_REPLY, f"arrays do not load: {err}")
     return ParsedReply(
         arrays=arrays,
@@ -68,4 +87,5 @@ def parse_reply(content: RecordDict, *, arrayrecord_key: str, weighted_by_key: s
         metrics={k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)},
         signature=content.config_records.get(protocol.SIGNATURE),
         sim_byzantine=bool(metrics.get(protocol.SIM_BYZANTINE, 0)),
+        record=record,
     )

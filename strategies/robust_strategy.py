@@ -32,14 +32,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedrobust import aggregators, protocol
-from fedrobust.config import LivenessConfig
+from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, LivenessConfig
 from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import ServerOptimizer
 from fedrobust.signing import TrustStore
-from fedrobust.tensors import flatten, float_keys, unflatten
-from fedrobust.validation import Rejection, check_update
-from fedrobust.strategies.replies import MALFORMED_REPLY, ParsedReply, parse_reply
+from fedrobust.update_matrix import UpdateMatrix
+from fedrobust.validation import Rejection, check_num_examples
+from fedrobust.strategies.replies import MALFORMED_REPLY, parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
 
 log = logging.getLogger(__name__)
@@ -50,12 +50,12 @@ RESUME_MODES = ("auto", "never")
 
 @dataclass
 class ClientUpdate:
-    """One reply that passed parsing and its signature check: the update it contributes."""
+    """One accepted reply: where its update lies in the round's update matrix, and what it claimed."""
 
     node_id: int
     partition_id: int
-    update: dict[str, torch.Tensor]
-    num_examples: float  # as claimed by the client; validated before use
+    row: int  # its row of the round's [n, d] float32 update matrix (aggregation order)
+    num_examples: float  # validated: an integer in [1, max_num_examples]
     metrics: dict[str, float]
     sim_byzantine: bool = False
 
@@ -92,9 +92,13 @@ class RoundOutcome:
         return MetricRecord({**counts, **self.train_metrics})
 
 
-# Sees the parsed updates of a round before they are validated and aggregated (the simulation-only
-# omniscient adversary of experiments/ uses it; the strategy carries none by default).
-UpdateHook = Callable[[int, list[ClientUpdate]], list[ClientUpdate]]
+# Sees the accepted updates of a round before they are aggregated: ``hook(round, rows, byzantine)`` with
+# ``rows`` the [n, d] float32 update matrix (writable, aggregation order, no copy) and ``byzantine`` an [n]
+# bool mask of the replies marked Byzantine (simulation only). It rewrites rows in place and returns the
+# indices it rewrote (None: any row may have changed); those rows are checked again (finiteness, norm
+# bound) and dropped when they fail. The simulation-only omniscient adversary of experiments/ uses it;
+# the strategy carries none by default.
+UpdateHook = Callable[[int, torch.Tensor, torch.Tensor], Sequence[int] | None]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -154,7 +158,23 @@ class RobustStrategy(Strategy):
         directory resumes after the last checkpointed round.
     checkpoint_every, checkpoint_every_seconds, checkpoint_keep
         Checkpoint every k rounds (0: only by time, and after the last round) and/or every T
-        seconds; keep the last n.
+        seconds; keep the last n. ``checkpoint_every="auto"`` picks the interval itself: Young/Daly's
+        ``T ~= sqrt(2 C F)`` rounds from the measured blocking cost ``C`` of a checkpoint, the round
+        time and the MTBF ``F`` (``checkpoint_mtbf``), clamped to ``[1, num_rounds]``. The last round
+        is always checkpointed.
+    checkpoint_mirror : str, optional
+        fsspec URL (e.g. ``s3://bucket/run``) to which each checkpoint committed in ``checkpoint_dir``
+        (then a local directory) is uploaded in the background; a save blocks only for the local write.
+        A resume takes the newest valid checkpoint of either place.
+    checkpoint_full_every : int
+        Incremental checkpoints: a full one every K saves and deltas of the previous one in between
+        (1: every checkpoint is full).
+    checkpoint_storage_options : mapping, optional
+        fsspec options (endpoint, credentials) of the remote store: of ``checkpoint_mirror`` when
+        given, else of ``checkpoint_dir``. Credentials may also come from the environment.
+    checkpoint_mtbf : float, optional
+        Mean time between server failures in seconds for ``checkpoint_every="auto"``; None estimates
+        it from the restarts recorded in the checkpoint history.
     resume : str
         ``auto`` resumes from the latest valid checkpoint; ``never`` starts fresh.
     force_resume : bool
@@ -173,7 +193,7 @@ class RobustStrategy(Strategy):
     progress : bool
         Print one line per round and a final summary.
     update_hook : callable, optional
-        Sees the parsed updates of each round before validation (simulation adversaries).
+        Rewrites accepted update rows before aggregation (simulation adversaries); see ``UpdateHook``.
     settings : mapping, optional
         Further settings a checkpoint must agree with to be resumed (e.g. the data and model
         settings of an experiment); the strategy's own settings are always included.
@@ -208,9 +228,13 @@ class RobustStrategy(Strategy):
         divergence_factor: float = 10.0,
         lr_decay: float = 0.5,
         checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 1,
+        checkpoint_every: int | str = 1,
         checkpoint_every_seconds: float = 0.0,
         checkpoint_keep: int = 3,
+        checkpoint_mirror: str | None = None,
+        checkpoint_full_every: int = 1,
+        checkpoint_storage_options: Mapping[str, Any] | None = None,
+        checkpoint_mtbf: float | None = None,
         resume: str = "auto",
         force_resume: bool = False,
         signing: TrustStore | str | os.PathLike[str] | None = None,
@@ -232,11 +256,12 @@ class RobustStrategy(Strategy):
             ("min_train_nodes", min_train_nodes),
             ("min_available_nodes", min_available_nodes),
             ("checkpoint_keep", checkpoint_keep),
+            ("checkpoint_full_every", checkpoint_full_every),
             ("max_num_examples", max_num_examples),
         ):
             _check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
         for name, value in (("min_evaluate_nodes", min_evaluate_nodes), ("max_round_retries", max_round_retries),
-                            ("over_select", over_select), ("checkpoint_every", checkpoint_every)):
+                            ("over_select", over_select)):
             _check(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
         _check(server_optimizer in SERVER_OPTIMIZERS,
                f"unknown server_optimizer {server_optimizer!r}; valid choices: {list(SERVER_OPTIMIZERS)}")
@@ -248,6 +273,18 @@ class RobustStrategy(Strategy):
                f"divergence_factor must be > 1 (0: off), got {divergence_factor!r}")
         _check(0 < lr_decay <= 1, f"lr_decay must be in (0, 1], got {lr_decay!r}")
         _check(checkpoint_every_seconds >= 0, f"checkpoint_every_seconds must be >= 0, got {checkpoint_every_seconds!r}")
+        _check(
+            checkpoint_every == CHECKPOINT_INTERVAL_AUTO
+            or isinstance(checkpoint_every, int) and not isinstance(checkpoint_every, bool) and checkpoint_every >= 0,
+            f"checkpoint_every must be an integer >= 0 (0: only by time and after the last round) or "
+            f"{CHECKPOINT_INTERVAL_AUTO!r} (Young/Daly interval), got {checkpoint_every!r}",
+        )
+        _check(checkpoint_mtbf is None or checkpoint_mtbf > 0,
+               f"checkpoint_mtbf must be > 0 seconds (None: estimated from restarts), got {checkpoint_mtbf!r}")
+        _check(checkpoint_storage_options is None or isinstance(checkpoint_storage_options, Mapping),
+               f"checkpoint_storage_options must be a mapping of fsspec options, got {checkpoint_storage_options!r}")
+        _check(not checkpoint_mirror or checkpoint_dir not in (None, ""),
+               f"checkpoint_mirror={checkpoint_mirror!r} needs checkpoint_dir, the local directory written first")
         _check(resume in RESUME_MODES, f"unknown resume {resume!r}; valid choices: {list(RESUME_MODES)}")
 
         if isinstance(aggregator, aggregators.Aggregator):
@@ -291,6 +328,10 @@ class RobustStrategy(Strategy):
         self.checkpoint_every = checkpoint_every
         self.checkpoint_every_seconds = checkpoint_every_seconds
         self.checkpoint_keep = checkpoint_keep
+        self.checkpoint_mirror = checkpoint_mirror or None
+        self.checkpoint_full_every = checkpoint_full_every
+        self.checkpoint_storage_options = dict(checkpoint_storage_options) if checkpoint_storage_options else None
+        self.checkpoint_mtbf = checkpoint_mtbf
         self.resume = resume
         self.force_resume = force_resume
         trust = signing if signing is None or isinstance(signing, TrustStore) else TrustStore.load(signing)
@@ -304,12 +345,16 @@ class RobustStrategy(Strategy):
 
         # node id -> partition id (discover_partitions); filled by the round loop's discovery.
         self.partitions: dict[int, int] = {}
+        self.answered: set[int] = set()  # nodes that answered the partition query, with or without one
         # Replies the last sampled round waits for (over-selected nodes come on top).
         self.planned_replies = 0
         self.run_id: int | str = 0
         self._global: dict[str, torch.Tensor] | None = None  # the state sent in the current round
         self._global_round = 0
         self._global_arrays: ArrayRecord | None = None
+        # Kept across rounds: a fresh [n, d] matrix costs a page fault per 4 KiB on first write.
+        self._matrix: UpdateMatrix | None = None
+        self._step_out: torch.Tensor | None = None  # the new global vector, copied into the ArrayRecord
         self._stop = threading.Event()
         self._rules: dict[int, aggregators.Aggregator] = {num_byzantine: self.aggregator}
 
@@ -365,8 +410,8 @@ class RobustStrategy(Strategy):
     def sample(self, server_round: int, eligible: Iterable[int], attempt: int = 0) -> list[int]:
         """Pick this round's nodes, seeded by (seed, round, attempt); over-selection included."""
         candidates = self._order(eligible)
-        if self.discover_partitions:
-            candidates = [n for n in candidates if n in self.partitions]
+        if self.discover_partitions:  # only nodes that answered (a device with its own data has no partition)
+            candidates = [n for n in candidates if n in self.partitions or n in self.answered]
         self.planned_replies = self.sample_size(len(candidates))
         want = min(len(candidates), self.planned_replies + self.over_select)
         rng = np.random.default_rng([self.seed, server_round, attempt])
@@ -451,14 +496,18 @@ class RobustStrategy(Strategy):
             return outcome
         start = time.perf_counter()
         global_state = self._global
-        keys = float_keys(global_state)
-        matrix = flatten([u.update for u in accepted], keys)
+        matrix = self._matrix
+        assert matrix is not None and len(matrix) == len(accepted)
         weights = None
         if self.weight_by_num_examples and rule.supports_weights:
             weights = torch.tensor([float(u.num_examples) for u in accepted])
-        aggregate = unflatten(self._call_rule(rule, matrix, weights), global_state, keys)
-        stepped = self.optimizer.step({k: global_state[k] for k in keys}, aggregate)
-        new_state = {**global_state, **stepped}
+        aggregate = self._call_rule(rule, matrix.rows(), weights)
+        if self._step_out is None or self._step_out.shape != (matrix.dim,):
+            self._step_out = torch.empty(matrix.dim, dtype=torch.float32)
+        layout = [(k, tuple(global_state[k].shape)) for k in matrix.keys]
+        stepped = self.optimizer.step_flat(matrix.global_flat(), aggregate, layout, out=self._step_out)
+        # Views on the step's vector (converted copies for non-float32 tensors); the ArrayRecord copies once.
+        new_state = {**global_state, **matrix.unflatten(stepped)}
         outcome.arrays = ArrayRecord(new_state)
         outcome.seconds_aggregate = time.perf_counter() - start
         outcome.aggregated = True
@@ -576,6 +625,7 @@ class RobustStrategy(Strategy):
     def _accept(
         self, server_round: int, replies: Iterable[Message], sent: Mapping[str, int], outcome: RoundOutcome
     ) -> list[ClientUpdate]:
+        """Check each reply and write the accepted ones into the rows of ``self._matrix``, in node order."""
         by_node: dict[int, Message] = {}
         for reply in replies:
             node_id = sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
@@ -587,73 +637,96 @@ class RobustStrategy(Strategy):
                 self._reject(server_round, node_id, outcome, Rejection(DUPLICATE_REPLY, "second reply"))
                 continue
             by_node[node_id] = reply
-        parsed = []
+        matrix = self._matrix_for(len(by_node))
+        accepted = []
         # A fixed order makes aggregation deterministic whatever the arrival order.
         for node_id in self._order(by_node):
-            update_or_rejection = self._parse(server_round, node_id, by_node[node_id])
+            update_or_rejection = self._parse(server_round, node_id, by_node[node_id], matrix)
             if isinstance(update_or_rejection, Rejection):
                 self._reject(server_round, node_id, outcome, update_or_rejection)
             else:
-                parsed.append(update_or_rejection)
-        if self.update_hook is not None:
-            parsed = self.update_hook(server_round, parsed)
-        accepted = []
-        assert self._global is not None
-        for candidate in parsed:
-            rejection = check_update(
-                candidate.update,
-                self._global,
-                num_examples=candidate.num_examples,
-                max_norm=self.max_update_norm or 0.0,
-                max_num_examples=self.max_num_examples,
-            )
-            if rejection is not None:
-                self._reject(server_round, candidate.node_id, outcome, rejection)
-            else:
-                accepted.append(candidate)
+                accepted.append(update_or_rejection)
+        if self.update_hook is not None and accepted:
+            accepted = self._run_hook(server_round, accepted, matrix, outcome)
         return accepted
 
-    def _parse(self, server_round: int, node_id: int, reply: Message) -> ClientUpdate | Rejection:
+    def _matrix_for(self, capacity: int) -> UpdateMatrix:
+        """The strategy's update matrix, reset to this round's global model, with room for ``capacity`` rows."""
+        assert self._global is not None
+        max_norm = self.max_update_norm or 0.0
+        matrix = self._matrix
+        if matrix is not None and matrix.capacity >= capacity:
+            try:
+                matrix.reset(self._global)
+            except ValueError:  # the model's names, shapes or dtypes changed: build one for the new model
+                matrix = None
+        if matrix is None or matrix.capacity < capacity:
+            self._matrix = None  # let the old storage go before the new one is reserved
+            matrix = UpdateMatrix(self._global, max(capacity, 1), max_norm=max_norm)
+        matrix.max_norm = max_norm
+        self._matrix = matrix
+        return matrix
+
+    def _parse(
+        self, server_round: int, node_id: int, reply: Message, matrix: UpdateMatrix
+    ) -> ClientUpdate | Rejection:
+        """Parse, verify the signature, check num-examples, then check and write the update into ``matrix``."""
         parsed = parse_reply(reply.content, arrayrecord_key=self.arrayrecord_key, weighted_by_key=self.weighted_by_key)
         if isinstance(parsed, Rejection):
             return parsed
-        reason = self.signatures.verify(
-            run_id=self.run_id,
-            node_id=node_id,
-            server_round=server_round,
-            record=parsed.signature,
-            arrays=parsed.arrays,
-            num_examples=parsed.num_examples,
-            partitions=self.partitions,
-        )
-        if reason is not None:
-            return Rejection(reason, "signature check failed")
-        update = self._as_update(parsed)
-        if isinstance(update, Rejection):
-            return update
+        try:
+            reason = self.signatures.verify(
+                run_id=self.run_id,
+                node_id=node_id,
+                server_round=server_round,
+                record=parsed.signature,
+                arrays=parsed.arrays,  # read-only views: the digest hashes the reply's bytes in place
+                num_examples=parsed.num_examples,
+                partitions=self.partitions,
+            )
+            if reason is not None:
+                return Rejection(reason, "signature check failed")
+            # Structure, finiteness and norm in one pass that also writes the row (local - global for
+            # Flower's convention): the reply's bytes are read once.
+            rejection = check_num_examples(parsed.num_examples, self.max_num_examples) or matrix.add(
+                parsed.arrays, full_weights=parsed.full_weights
+            )
+        finally:
+            # The row holds all that is needed now: let the reply's bytes go (the caller's list of
+            # replies would otherwise keep every reply alive until the round ends).
+            parsed.release()
+        if rejection is not None:
+            return rejection
         return ClientUpdate(
             node_id=node_id,
             partition_id=self.partitions.get(node_id, -1),
-            update=update,
+            row=len(matrix) - 1,
             num_examples=parsed.num_examples,
             metrics=parsed.metrics,
             sim_byzantine=parsed.sim_byzantine,
         )
 
-    def _as_update(self, parsed: ParsedReply) -> dict[str, torch.Tensor] | Rejection:
-        """The reply's update: as sent, or its local weights minus the global model sent to it."""
-        if not parsed.full_weights:
-            return parsed.arrays
-        assert self._global is not None
-        # Names, shapes and dtypes first: a difference is only defined between matching tensors.
-        rejection = check_update(
-            parsed.arrays, self._global, num_examples=1, max_norm=0.0, max_num_examples=1
-        )
-        if rejection is not None and rejection.reason not in ("non_finite",):
-            return rejection
-        return {
-            k: v - self._global[k] if v.is_floating_point() else v for k, v in parsed.arrays.items()
-        }
+    def _run_hook(
+        self, server_round: int, accepted: list[ClientUpdate], matrix: UpdateMatrix, outcome: RoundOutcome
+    ) -> list[ClientUpdate]:
+        """Let ``update_hook`` rewrite rows in place; check the rewritten rows again and drop those that fail."""
+        assert self.update_hook is not None
+        byzantine = torch.tensor([u.sim_byzantine for u in accepted], dtype=torch.bool)
+        rewritten = self.update_hook(server_round, matrix.rows(), byzantine)
+        indices = range(len(accepted)) if rewritten is None else sorted({int(i) for i in rewritten})
+        failed = []
+        for index in indices:
+            rejection = matrix.recheck(index)
+            if rejection is not None:
+                self._reject(server_round, accepted[index].node_id, outcome, rejection)
+                failed.append(index)
+        if not failed:
+            return accepted
+        matrix.drop(failed)
+        kept = [u for i, u in enumerate(accepted) if i not in set(failed)]
+        for row, update in enumerate(kept):
+            update.row = row
+        return kept
 
     def _reject(self, server_round: int, node_id: int, outcome: RoundOutcome, rejection: Rejection) -> None:
         outcome.rejected[rejection.reason] += 1

@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord
 
@@ -47,11 +48,17 @@ class SignatureCheck:
         node_id: int,
         server_round: int,
         record: ConfigRecord | None,
-        arrays: Mapping[str, torch.Tensor],
+        arrays: Mapping[str, np.ndarray | torch.Tensor],
         num_examples: float,
         partitions: Mapping[int, int],
     ) -> str | None:
-        """None when the reply may go on to validation, else the rejection reason."""
+        """None when the reply may go on to validation, else the rejection reason.
+
+        ``arrays`` may be the read-only NumPy views on the reply's bytes: the canonical digest hashes
+        a C-contiguous little-endian array in place, and names dtypes as torch does (``float32``,
+        ``int64``, ``bool``), so a signature a client made over its torch tensors verifies here
+        without a copy.
+        """
         nonce = record.get(protocol.NONCE) if record is not None else None
         if self.trust is None:
             return self.guard.consume(nonce, node_id, server_round) if nonce is not None else None

@@ -10,7 +10,7 @@ The third way users run fedrobust (design.md), done as docs/deployment.md tells 
 3. ``flwr supernode register`` for each SuperNode public key, against a federation in a temp
    ``FLWR_HOME`` whose connection carries ``root-certificates``.
 4. Five ``flower-supernode`` processes, each with its own runtime port, its own FLWR_HOME (as on
-   separate devices) and ``--node-config "partition-id=i num-partitions=5 signing-key=... device=cpu"``;
+   separate devices) and ``--node-config "data-path=... signing-key=... device=cpu"`` (its own data file);
    each starts its ClientApp processes itself (default subprocess isolation).
    Node 3 is Byzantine (``attack="sign_flip"``) but holds a trusted key; node 4 signs with a key
    that is not in the trust store (a forger).
@@ -40,13 +40,14 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedrobust import keygen, protocol, signing, tls
+from fedrobust import data, keygen, protocol, signing, tls
 from fedrobust.clients.signing_mod import node_config_key, sign_reply
 from fedrobust.config import from_flat
 from fedrobust.strategies.from_config import trust_store_for
@@ -83,6 +84,15 @@ def _run_config(trust_dir: Path, out_dir: Path) -> str:
         f"fault.round_timeout={ROUND_TIMEOUT} fault.wait_for_nodes=60 liveness.quarantine_after=0 liveness.dead_after=1 "
         f"output_dir='{out_dir}'"
     )
+
+
+def _device_data(device_dir: Path, i: int) -> Path:
+    """Device ``i``'s own training data: a fifth of digits in an .npz file, as docs/deployment.md prepares it."""
+    device_dir.mkdir(parents=True, exist_ok=True)
+    x, y = data.load_partition("digits", i, NUM_NODES, seed=0).tensors
+    path = device_dir / "train.npz"
+    np.savez(path, x=x.numpy(), y=y.numpy())
+    return path
 
 
 def _flwr(fp: FlowerProcesses, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
@@ -248,9 +258,9 @@ def test_signed_deployment_rejects_forger_and_survives_killed_node(tmp_path: Pat
             # 4. One SuperNode per "device": own port, own FLWR_HOME, own keys and node config.
             nodes: list[Proc] = []
             for i, (auth_private, _) in enumerate(auth_keys):
+                # A real device trains on its own files (prepared beforehand), not on a partition id.
                 config = {
-                    "partition-id": i,
-                    "num-partitions": NUM_NODES,
+                    "data-path": str(_device_data(tmp_path / f"device-{i}", i)),
                     "signing-key": str(signing_keys[i]),
                     "device": "cpu",
                 }
@@ -339,6 +349,10 @@ def test_signed_deployment_rejects_forger_and_survives_killed_node(tmp_path: Pat
     # The run-level count: rejections are exactly the forger's replies.
     assert sum(sum(r["rejected"].values()) for r in rows) == NUM_ROUNDS, report
     assert "unknown_key=1" in output and "dropped  1" in output, report  # the progress lines show both
+    # ... and name the nodes: the forger with its reason, the killed device as dropped.
+    assert f"rejected: node {node_ids[FORGER]}: {signing.REASON_UNKNOWN_KEY}" in output, report
+    assert f"dropped: node {node_ids[KILLED]}" in output, report
+    assert rows[0]["rejected_nodes"][0]["node"] == node_ids[FORGER], report
     assert (out / "final_model.safetensors").stat().st_size > 0
     rounds = ", ".join(f"round {r['round']} {r['seconds_train']:.1f}s" for r in rows)
     print(

@@ -1,0 +1,244 @@
+"""The strategy's reply path (views -> UpdateMatrix -> rule -> flat step) against the plain one it replaced.
+
+The reference is what ``RobustStrategy.aggregate_round`` used to do: every reply loaded as torch
+tensors, its update ``local - global`` as a dict, ``fedrobust.tensors.flatten`` into a fresh [n, d]
+matrix, the rule, then ``ServerOptimizer.step`` on per-key dicts. The fast path must agree with it
+up to float32 rounding, reuse its matrix across rounds, reject malformed replies with a reason and
+release each reply's arrays once read.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedrobust import aggregators, signing
+from fedrobust.server_optim import NAMES, ServerOptimizer
+from fedrobust.strategies.replies import MALFORMED_REPLY
+from fedrobust.strategies.robust_strategy import RobustStrategy
+from fedrobust.tensors import flatten, float_keys, unflatten
+
+N = 9
+F = 2
+
+
+class _Grid:
+    """What ``configure_train`` asks of a Grid: the run and the nodes."""
+
+    def __init__(self, node_ids: list[int]) -> None:
+        self.run = SimpleNamespace(run_id=7)
+        self._node_ids = node_ids
+
+    def get_nodes(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(node_id=n, status="online") for n in self._node_ids]
+
+    def get_node_ids(self) -> list[int]:
+        return list(self._node_ids)
+
+
+def _global(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "conv.weight": torch.randn(6, 3, 3, 3, generator=g),
+        "bn.weight": torch.rand(6, generator=g) + 0.5,
+        "bn.num_batches_tracked": torch.tensor(12, dtype=torch.int64),
+        "fc.weight": torch.randn(4, 54, generator=g) * 0.1,
+        "fc.bias": torch.zeros(4),
+    }
+
+
+def _instructions(strategy: RobustStrategy, state: dict[str, torch.Tensor], n: int, server_round: int) -> list[Message]:
+    from flwr.supercore.task_identity import TaskIdentity
+
+    # Messages are stamped with the running task's identity; a ServerApp process has one.
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 7, 1
+    grid = _Grid([100 + i for i in range(n)])
+    out = list(strategy.configure_train(server_round, ArrayRecord(state), ConfigRecord({}), grid))
+    for i, message in enumerate(out):
+        if not message.metadata.message_id:  # a Grid assigns message ids on push
+            message.metadata.__dict__["_message_id"] = f"train-{server_round}-{i}"
+    return out
+
+
+def _reply(instruction: Message, arrays: ArrayRecord, num_examples: float) -> Message:
+    metrics = MetricRecord({"num-examples": num_examples, "train_loss": 1.0})
+    return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=instruction)
+
+
+def _locals(state: dict[str, torch.Tensor], n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {
+            k: v + 0.01 * (i + 1) * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in state.items()
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("rule", ["mean", "trimmed_mean", "median", "krum", "centered_clipping"])
+@pytest.mark.parametrize("server_optimizer", NAMES)
+def test_aggregate_train_equals_the_plain_path_over_rounds(rule: str, server_optimizer: str) -> None:
+    strategy = RobustStrategy(
+        aggregator=rule, num_byzantine=F, min_train_nodes=N, progress=False,
+        server_optimizer=server_optimizer, server_lr=0.5,
+    )
+    reference_opt = ServerOptimizer(server_optimizer, lr=0.5)
+    reference_rule_state: dict[str, torch.Tensor] = {}
+    state = _global()
+    matrices = []
+    for server_round in (1, 2, 3):
+        instructions = _instructions(strategy, state, N, server_round)
+        local = _locals(state, N, seed=server_round)
+        replies = [_reply(m, ArrayRecord(s), 50 + i) for i, (m, s) in enumerate(zip(instructions, local))]
+        arrays, metrics = strategy.aggregate_train(server_round, reversed(replies))  # order must not matter
+        assert arrays is not None and metrics["accepted"] == N
+        matrices.append(strategy._matrix)
+        # The reference carries the stateful rule's state the same way.
+        ref_rule = aggregators.build(rule, f=F)
+        ref_rule.load_state_dict(reference_rule_state)
+        keys = float_keys(state)
+        rows = flatten([{k: s[k] - state[k] for k in keys} for s in local], keys)
+        aggregate = ref_rule(rows)
+        reference_rule_state = ref_rule.state_dict()
+        expected = {**state, **reference_opt.step({k: state[k] for k in keys}, unflatten(aggregate, state, keys))}
+        got = arrays.to_torch_state_dict()
+        assert list(got) == list(expected)
+        for key, value in expected.items():
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape
+            torch.testing.assert_close(got[key], value, rtol=2e-6, atol=2e-7)
+        if server_optimizer == "fedavg" and rule in ("mean", "median", "krum"):
+            assert all(torch.equal(got[k], expected[k]) for k in expected)  # same rounding, same bits
+        state = {k: v.clone() for k, v in got.items()}
+        # Every reply's arrays were read once and released.
+        assert all(len(r.content["arrays"]) == 0 for r in replies)
+    assert matrices[0] is matrices[1] is matrices[2]  # one matrix for all rounds
+    tensors, meta = strategy.optimizer.state_dict()
+    ref_tensors, ref_meta = reference_opt.state_dict()
+    assert meta == ref_meta and sorted(tensors) == sorted(ref_tensors)
+    for key in tensors:
+        torch.testing.assert_close(tensors[key], ref_tensors[key], rtol=2e-6, atol=2e-7)
+
+
+def test_weighted_mean_and_malformed_replies_are_judged_one_by_one() -> None:
+    strategy = RobustStrategy(
+        aggregator="mean", num_byzantine=F, min_train_nodes=N, progress=False,
+        weight_by_num_examples=True, max_update_norm=5.0,
+    )
+    state = _global()
+    instructions = _instructions(strategy, state, N, 1)
+    local = _locals(state, N, seed=3)
+    records = [ArrayRecord(s) for s in local]
+    counts: list[int | float] = [10 * (i + 1) for i in range(N)]
+    # Reply 0: truncated .npy bytes; 1: a NaN; 2: a wrong shape; 3: num-examples 0; 4: norm too large.
+    bad = records[0]["fc.bias"]
+    records[0]["fc.bias"] = Array(dtype=bad.dtype, shape=bad.shape, stype=bad.stype, data=bad.data[:-4])
+    nan = local[1]["fc.weight"].clone()
+    nan[0, 0] = float("nan")
+    records[1]["fc.weight"] = Array(nan.numpy())
+    records[2]["fc.bias"] = Array(np.zeros(5, dtype=np.float32))
+    counts[3] = 0
+    records[4]["conv.weight"] = Array((local[4]["conv.weight"] + 10.0).numpy())
+    replies = [_reply(m, r, c) for m, r, c in zip(instructions, records, counts)]
+    outcome = strategy.aggregate_round(1, replies)
+    reasons = {e["node"]: e["reason"] for e in outcome.rejected_nodes}
+    assert reasons == {
+        100: MALFORMED_REPLY, 101: "non_finite", 102: "wrong_shape", 103: "bad_num_examples", 104: "norm_too_large",
+    }
+    assert "truncated" in outcome.rejected_nodes[0]["detail"]
+    assert outcome.accepted == [105, 106, 107, 108]
+    assert outcome.f_used == 0 and outcome.aggregated  # five proven faulty nodes
+    good = local[5:]
+    weights = torch.tensor([float(c) for c in counts[5:]])
+    keys = float_keys(state)
+    rows = flatten([{k: s[k] - state[k] for k in keys} for s in good], keys)
+    aggregate = aggregators.build("mean", f=0)(rows, weights)
+    expected = {**state, **ServerOptimizer().step({k: state[k] for k in keys}, unflatten(aggregate, state, keys))}
+    got = outcome.arrays.to_torch_state_dict()
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=2e-6, atol=2e-7)
+
+
+def test_matrix_grows_with_more_replies_and_follows_a_new_model() -> None:
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, min_train_nodes=3, progress=False)
+    state = _global()
+    for server_round, n in ((1, 4), (2, 3), (3, 7)):
+        instructions = _instructions(strategy, state, n, server_round)
+        replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, _locals(state, n, server_round))]
+        arrays, _ = strategy.aggregate_train(server_round, replies)
+        assert arrays is not None
+        assert strategy._matrix is not None and strategy._matrix.capacity == max(4, n)
+    # A model with other shapes: a new matrix, no error.
+    other = {"w": torch.zeros(3, 2)}
+    instructions = _instructions(strategy, other, 3, 4)
+    replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, _locals(other, 3, 4))]
+    arrays, _ = strategy.aggregate_train(4, replies)
+    assert arrays is not None and strategy._matrix.dim == 6
+
+
+def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
+    seen = {}
+
+    def hook(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor) -> list[int]:
+        seen["byzantine"] = byzantine.tolist()
+        rows[0] = float("nan")  # rejected when rechecked
+        rows[1] = 0.0  # accepted: an all-zero update
+        return [0, 1]
+
+    strategy = RobustStrategy(aggregator="mean", num_byzantine=0, min_train_nodes=3, progress=False, update_hook=hook)
+    state = _global()
+    instructions = _instructions(strategy, state, 4, 1)
+    local = _locals(state, 4, 1)
+    replies = []
+    for i, (m, s) in enumerate(zip(instructions, local)):
+        metrics = MetricRecord({"num-examples": 10, "sim-byzantine": int(i < 2)})
+        replies.append(Message(RecordDict({"arrays": ArrayRecord(s), "metrics": metrics}), reply_to=m))
+    outcome = strategy.aggregate_round(1, replies)
+    assert seen["byzantine"] == [True, True, False, False]
+    assert [(e["node"], e["reason"]) for e in outcome.rejected_nodes] == [(100, "non_finite")]
+    assert outcome.accepted == [101, 102, 103]
+    keys = float_keys(state)
+    rows = flatten([{k: s[k] - state[k] for k in keys} for s in local[2:]], keys)
+    mean = torch.cat([torch.zeros(1, rows.shape[1]), rows]).mean(dim=0)
+    expected = torch.cat([state[k].reshape(-1) for k in keys]) + mean
+    got = outcome.arrays.to_torch_state_dict()
+    torch.testing.assert_close(torch.cat([got[k].reshape(-1) for k in keys]), expected, rtol=2e-6, atol=2e-7)
+
+
+def test_signature_digest_of_numpy_views_equals_that_of_torch_tensors() -> None:
+    from fedrobust.strategies.reply_arrays import array_views
+
+    state = _global()
+    state["half"] = torch.randn(3, 5).half()
+    state["flag"] = torch.tensor([True, False])
+    views = array_views(ArrayRecord(state))
+    fields = {"run_id": 7, "round": 2, "node_id": 100, "nonce": b"n" * 16, "num_examples": 50}
+    assert signing.canonical_digest(arrays=views, **fields) == signing.canonical_digest(arrays=state, **fields)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flat_step_matches_the_dict_step_and_resumes_from_its_state(name: str) -> None:
+    state = _global()
+    keys = float_keys(state)
+    layout = [(k, tuple(state[k].shape)) for k in keys]
+    g = torch.Generator().manual_seed(5)
+    updates = [{k: torch.randn(state[k].shape, generator=g) for k in keys} for _ in range(4)]
+    by_dict, flat = ServerOptimizer(name, lr=0.3), ServerOptimizer(name, lr=0.3)
+    p = {k: state[k] for k in keys}
+    q = flatten([p], keys)[0]
+    for step, update in enumerate(updates):
+        if step == 2:  # resume the flat one from its own state_dict: same format as the dict path's
+            tensors, meta = flat.state_dict()
+            ref_tensors, _ = by_dict.state_dict()
+            assert {k: v.shape for k, v in tensors.items()} == {k: v.shape for k, v in ref_tensors.items()}
+            flat = ServerOptimizer(name, lr=0.3)
+            flat.load_state_dict(tensors, meta)
+        p = by_dict.step(p, update)
+        q = flat.step_flat(q, flatten([update], keys)[0], layout).clone()
+        torch.testing.assert_close(q, flatten([p], keys)[0], rtol=2e-6, atol=2e-7)
+        if name == "fedavg":
+            assert torch.equal(q, flatten([p], keys)[0])
