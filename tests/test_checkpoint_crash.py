@@ -61,11 +61,11 @@ def write_forever(spec, background):
     store = open_store(spec)
     latest = store.latest_valid()
     round_ = 0 if latest is None else latest.round + 1
-    print(f"ready {os.getpid()}", flush=True)
+    say(f"ready {os.getpid()}")
 
     def report(future, r):
         if future.exception() is None:
-            print(f"committed {r}", flush=True)
+            say(f"committed {r}")
 
     while True:
         meta = {"round": round_, "history": list(range(round_))}
@@ -73,8 +73,14 @@ def write_forever(spec, background):
             store.save_async(round_, state(round_), meta).add_done_callback(lambda f, r=round_: report(f, r))
         else:
             store.save(round_, state(round_), meta)
-            print(f"committed {round_}", flush=True)
+            say(f"committed {round_}")
         round_ += 1
+
+
+def say(line):
+    # One write(2) per line: a pipe write this small is atomic, so a kill never leaves half a line
+    # for the parent's "exited" line to be glued to (print writes text and newline separately).
+    os.write(1, (line + "\n").encode())
 
 
 spec = json.loads(sys.argv[1])
@@ -86,7 +92,7 @@ for command in sys.stdin:
         finally:
             os._exit(1)
     _, status = os.waitpid(pid, 0)
-    print(f"exited {os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1}", flush=True)
+    say(f"exited {os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1}")
 """
 
 
