@@ -362,7 +362,9 @@ class CheckpointStore:
         self.url = url
         self.keep = keep
         self.full_every = full_every
-        self._fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        # A fresh filesystem object: fsspec's instance cache is keyed on the arguments only, so a
+        # cached one would keep an endpoint or credentials read from an environment since changed.
+        self._fs, root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **dict(storage_options or {}))
         self._root = root.rstrip("/") or "/"
         self._local = isinstance(self._fs, LocalFileSystem)
         if _create:
