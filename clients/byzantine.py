@@ -1,10 +1,12 @@
 """The Byzantine side of a client: an honest client whose data or reply an attack poisons.
 
-A node is Byzantine when its own node config says ``attack=...`` (a robustness
-drill on real devices), or when ``cfg.attack`` is set and its partition is one
-of the ``num_byzantine`` partitions drawn from the seed (simulation). A
-ClientApp cannot tell a simulation from a deployment, so a deployment's run
-config sets ``attack.name='none'`` (docs/deployment.md). Omniscient attacks need
+Only a ClientApp that plays attacks consults it: the Byzantine ClientApp
+(``fedrobust.clients.byzantine_app:app``, robustness drills) and simulations
+built from a RunConfig (``make_client_app(cfg)``); the honest app that
+``flwr run .`` ships never does. There, a node is Byzantine when its own node
+config says ``attack=...`` (a drill on real devices), or when ``cfg.attack`` is
+set and its partition is one of the ``num_byzantine`` partitions drawn from the
+seed (simulation). Omniscient attacks need
 every honest update of the round, so the client only marks its reply and the
 simulation-only hook (experiments/adversary.py) crafts the update on the server.
 """
@@ -18,7 +20,7 @@ import torch
 from flwr.app import ArrayRecord, Context
 from torch.utils.data import TensorDataset
 
-from fedrobust import attacks, data, protocol
+from fedrobust import attacks, components, protocol
 from fedrobust.config import RunConfig
 from fedrobust.run_setup import byzantine_partitions
 
@@ -73,4 +75,4 @@ def adversary_for(cfg: RunConfig, context: Context, partition_id: int) -> Advers
     attack = attacks.build(str(name), **params)
     if ATTACK_STATE in context.state.array_records:
         attack.load_state_dict(dict(context.state[ATTACK_STATE].to_torch_state_dict()))
-    return Adversary(attack, data.dataset_spec(cfg.dataset.name).num_classes)
+    return Adversary(attack, components.dataset_spec(cfg).num_classes)

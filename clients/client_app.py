@@ -1,9 +1,17 @@
 """fedrobust's own ClientApp: local training on the node's partition, replying with the update.
 
 Node config (``--node-config`` on a SuperNode; set by the simulation engine):
-``partition-id``, ``num-partitions``, optionally ``device`` (``auto``/``cpu``/``cuda``),
-``signing-key`` (deployment) and, for a Byzantine test node in deployment, ``attack``.
+``partition-id``, ``num-partitions``, optionally ``data-path`` (the device's own data),
+``device`` (``auto``/``cpu``/``cuda``) and ``signing-key`` (deployment).
 Replies are signed by the same :func:`fedrobust.signing_mod` any ClientApp can use.
+
+``app`` (``fedrobust.clients.client_app:app``, the component ``flwr run .`` ships) is honest:
+it never runs an attack, whatever the run config or node config say. Attacks run only in
+the Byzantine ClientApp, ``fedrobust.clients.byzantine_app:app`` (deployment drills), and in
+simulations built from a :class:`RunConfig` (``make_client_app(cfg)``: Hydra experiments,
+the study, tests), where ``attack`` picks ``num_byzantine`` seed-chosen Byzantine partitions.
+Model and data are components (:mod:`fedrobust.components`): built-ins by name, a user's by
+``_target_``.
 
 On a SuperNode every message starts a fresh ClientApp process that imports this
 module. The hello query goes to every node at once and needs nothing but the node
@@ -14,6 +22,7 @@ costs about a second of CPU instead of five.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -31,23 +40,24 @@ if TYPE_CHECKING:
     import torch
 
     from fedrobust.clients.byzantine import Adversary
+    from fedrobust.data import DatasetSpec
 
 log = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)
-def _model(name: str, input_shape: tuple[int, ...], num_classes: int, params_json: str) -> torch.nn.Module:
+def _model(model_json: str, spec: DatasetSpec) -> torch.nn.Module:
     """One model object per process, reused across rounds (weights are overwritten every round)."""
-    from fedrobust import models
+    from fedrobust import components
+    from fedrobust.config import ModelConfig
 
-    return models.build_model(name, input_shape=input_shape, num_classes=num_classes, **json.loads(params_json))
+    return components.build_model(ModelConfig(**json.loads(model_json)), spec)
 
 
 def _load_model(cfg: RunConfig, state: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-    from fedrobust import data
+    from fedrobust import components
 
-    spec = data.dataset_spec(cfg.dataset.name)
-    model = _model(cfg.model.name, tuple(spec.input_shape), spec.num_classes, json.dumps(cfg.model.params, sort_keys=True))
+    model = _model(json.dumps(dataclasses.asdict(cfg.model), sort_keys=True), components.dataset_spec(cfg))
     model.load_state_dict(state)
     return model
 
@@ -66,22 +76,13 @@ def _partition(cfg: RunConfig, context: Context) -> tuple[int, int]:
 
 def _dataset(cfg: RunConfig, context: Context) -> torch.utils.data.TensorDataset:
     """The device's own data (node config ``data-path``), else its partition of the central data set (simulation)."""
-    from fedrobust import data
+    from fedrobust import components
 
     local = context.node_config.get(DATA_PATH)
     if local:
-        return data.load_local(str(local), cfg.dataset.name)
+        return components.load_local(str(local), cfg)
     pid, num = _partition(cfg, context)
-    p = cfg.partition
-    return data.load_partition(
-        cfg.dataset.name,
-        pid,
-        num,
-        partitioner=p.name,
-        alpha=p.alpha,
-        classes_per_partition=p.classes_per_partition,
-        seed=cfg.seed,
-    )
+    return components.load_partition(cfg, pid, num)
 
 
 def local_update(
@@ -117,8 +118,35 @@ def local_update(
     return update, len(dataset), metrics
 
 
-def make_client_app(cfg: RunConfig | None = None) -> ClientApp:
-    """A ClientApp for ``cfg`` (or, when None, the run config Flower passes in)."""
+BYZANTINE_APP = "fedrobust.clients.byzantine_app:app"
+_warned: set[str] = set()
+
+
+def _warn_attack_ignored(cfg: RunConfig, context: Context) -> None:
+    """Say once per process that the honest app ignores an attack the run or node config asks for."""
+    asked = context.node_config.get("attack") or (cfg.attack.name if cfg.attack.name != "none" else "")
+    if asked and str(asked) not in _warned:
+        _warned.add(str(asked))
+        log.warning(
+            "attack %r ignored: this is the honest ClientApp; a Byzantine drill runs the ClientApp %s",
+            asked, BYZANTINE_APP,
+        )
+
+
+def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = None) -> ClientApp:
+    """A ClientApp for ``cfg`` (or, when None, the run config Flower passes in).
+
+    Parameters
+    ----------
+    cfg : RunConfig, optional
+        The run; None reads it from ``context.run_config`` (``flwr run``, deployment).
+    byzantine : bool, optional
+        Whether the app plays attacks: a node is Byzantine when its node config says
+        ``attack=<name>``, or when its partition is one of ``num_byzantine`` seed-chosen ones
+        and ``attack.name`` is not ``none``. Default: True when ``cfg`` is given (a simulation
+        built from a RunConfig), False otherwise (the honest app deployed to devices).
+    """
+    plays_attacks = cfg is not None if byzantine is None else byzantine
 
     def settings(context: Context) -> RunConfig:
         return cfg if cfg is not None else from_flat(context.run_config)
@@ -144,13 +172,18 @@ def make_client_app(cfg: RunConfig | None = None) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         from fedrobust import training
-        from fedrobust.clients.byzantine import adversary_for
 
         run_cfg = settings(context)
         server_round = int(msg.content[protocol.CONFIG][protocol.SERVER_ROUND])
         global_state = dict(msg.content[protocol.ARRAYS].to_torch_state_dict())
         pid, _ = _partition(run_cfg, context)
-        adversary = adversary_for(run_cfg, context, pid)
+        adversary = None
+        if plays_attacks:
+            from fedrobust.clients.byzantine import adversary_for
+
+            adversary = adversary_for(run_cfg, context, pid)
+        else:
+            _warn_attack_ignored(run_cfg, context)
         update, num_examples, metrics = local_update(run_cfg, context, global_state, server_round, adversary)
         if adversary is not None:
             seed = training.derive_seed(run_cfg.seed, server_round, pid)

@@ -24,9 +24,14 @@ CHECKPOINT_INTERVAL_AUTO = "auto"
 
 @dataclass
 class AggregatorConfig:
-    """Robust rule and the pre-aggregators run in front of it."""
+    """Robust rule and the pre-aggregators run in front of it.
+
+    ``name`` picks a built-in rule; ``_target_`` (a dotted path, e.g. ``my_pkg.rules.MyRule``) a
+    user rule instead, called with ``f`` and ``params`` (see :mod:`fedrobust.components`).
+    """
 
     name: str = "trimmed_mean"
+    _target_: str = ""
     # Comma-separated pre-aggregator names, applied in order (e.g. "nnm" or "clipping,nnm").
     # A string rather than a list so that Flower's flat run config can carry it.
     pre: str = ""
@@ -36,7 +41,11 @@ class AggregatorConfig:
 
 @dataclass
 class DatasetConfig:
+    """A built-in data set by ``name``, or a user loader by ``_target_`` called with ``params``."""
+
     name: str = "digits"
+    _target_: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,7 +57,10 @@ class PartitionConfig:
 
 @dataclass
 class ModelConfig:
+    """A built-in model by ``name``, or a user ``torch.nn.Module`` factory by ``_target_``."""
+
     name: str = "mlp"
+    _target_: str = ""
     params: dict[str, Any] = field(default_factory=dict)
 
 
@@ -174,7 +186,8 @@ class RunConfig:
     """Everything that defines a run; same config and seed give the same final model."""
 
     num_clients: int = 20
-    num_byzantine: int = 0
+    # The f the robust rule tolerates. Which clients misbehave is attack's business (simulation only).
+    num_byzantine: int = 4
     clients_per_round: int = 20
     num_rounds: int = 20
     seed: int = 0
@@ -364,3 +377,95 @@ def from_flat(flat: Mapping[str, Any]) -> RunConfig:
     except ValueError as err:
         raise ConfigError([str(err)]) from None
     return from_nested(nested)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run-config block of pyproject.toml, generated from RunConfig's defaults.
+# ---------------------------------------------------------------------------------------------
+
+PYPROJECT_TABLE = "[tool.flwr.app.config]"
+_PYPROJECT_HEADER = (
+    "# Generated from fedrobust.config.RunConfig by `python -m fedrobust.config --pyproject`; do not edit:\n"
+    "# change RunConfig and run it again (a test fails when they differ). These are the defaults of the\n"
+    "# Hydra default experiment too. `flwr run` accepts --run-config overrides only for keys declared here.\n"
+)
+
+
+# The Flower apps of the repository whose run config is RunConfig's defaults (paths from its root).
+APP_PYPROJECTS = ("pyproject.toml", "examples/byzantine-drill/pyproject.toml")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: the same escapes as JSON
+    raise TypeError(f"no TOML scalar for {value!r}")
+
+
+def run_config_toml(cfg: RunConfig | None = None) -> str:
+    """The ``[tool.flwr.app.config]`` table of ``cfg`` (RunConfig's defaults when None), as TOML.
+
+    Every scalar setting is one dotted key; parameter tables (``aggregator.params`` and the like)
+    are empty by default and so declare nothing.
+    """
+    flat = (cfg or RunConfig()).to_flat()
+    lines = [PYPROJECT_TABLE, _PYPROJECT_HEADER.rstrip("\n")]
+    lines += [f"{json.dumps(key)} = {_toml_value(value)}" for key, value in flat.items()]
+    return "\n".join(lines) + "\n"
+
+
+def replace_run_config_block(pyproject: str, cfg: RunConfig | None = None) -> str:
+    """``pyproject`` (the file's text) with its run-config table replaced by :func:`run_config_toml`.
+
+    The table runs from its header to the next table header or the end of the file; a table that is
+    missing is appended.
+    """
+    lines = pyproject.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip() == PYPROJECT_TABLE]
+    block = run_config_toml(cfg)
+    if not starts:
+        return pyproject.rstrip("\n") + "\n\n" + block
+    start = starts[0]
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+    # Keep blank lines and comments that introduce the next table with that table.
+    while end > start + 1 and (not lines[end - 1].strip() or lines[end - 1].lstrip().startswith("#")):
+        end -= 1
+    head, tail = "".join(lines[:start]), "".join(lines[end:])
+    return head + block + ("\n" + tail.lstrip("\n") if tail.strip() else "")
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fedrobust.config",
+        description="Write RunConfig's defaults into the [tool.flwr.app.config] table of a pyproject.toml.",
+    )
+    parser.add_argument("--pyproject", nargs="*", metavar="PATH", default=None,
+                        help=f"pyproject.toml files to rewrite (default: {' '.join(APP_PYPROJECTS)})")
+    parser.add_argument("--check", action="store_true", help="only report whether the files are up to date")
+    args = parser.parse_args(argv)
+    if args.pyproject is None:
+        print(run_config_toml(), end="")
+        return 0
+    stale = 0
+    for path in [Path(p) for p in (args.pyproject or [p for p in APP_PYPROJECTS if Path(p).exists()])]:
+        text = path.read_text()
+        new = replace_run_config_block(text)
+        if new == text:
+            print(f"{path}: up to date")
+        elif args.check:
+            print(f"{path}: run config differs from RunConfig's defaults")
+            stale += 1
+        else:
+            path.write_text(new)
+            print(f"{path}: run config rewritten from RunConfig")
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

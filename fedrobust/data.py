@@ -26,6 +26,7 @@ cached; the assignment of samples to partitions depends only on the arguments, n
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -55,6 +56,7 @@ __all__ = [
     "load_local",
     "load_partition",
     "load_test_set",
+    "partition_indices",
 ]
 
 logger = logging.getLogger(__name__)
@@ -198,6 +200,23 @@ def load_partition(
         If ``data_dir`` is set but holds no copy of the requested Hub data set.
     """
     _check_dataset(name)
+    params = _partitioner_params(
+        name, _SPECS[name].num_classes, partition_id, num_partitions, partitioner, alpha, classes_per_partition
+    )
+    load = _partition_loader(name, num_partitions, partitioner, params, seed, _resolve_data_dir(name, data_dir))
+    return _to_tensors(name, load(partition_id))
+
+
+def _partitioner_params(
+    name: str,
+    num_classes: int,
+    partition_id: int,
+    num_partitions: int,
+    partitioner: str,
+    alpha: float,
+    classes_per_partition: int,
+) -> tuple[float | int, ...]:
+    """Check the partitioning arguments; the parameters the chosen partitioner uses (its cache key)."""
     if partitioner not in PARTITIONERS:
         raise ValueError(f"unknown partitioner {partitioner!r}; valid partitioners: {', '.join(PARTITIONERS)}")
     if num_partitions < 1:
@@ -206,22 +225,68 @@ def load_partition(
         raise ValueError(f"partition_id must be in [0, {num_partitions}), got {partition_id}")
     # Only the parameters the chosen partitioner uses go into the cache key, so that e.g. two iid requests that
     # differ in the unused alpha share one partitioner.
-    params: tuple[float | int, ...]
     if partitioner == "dirichlet":
         if not alpha > 0:
             raise ValueError(f"alpha must be > 0 for the dirichlet partitioner, got {alpha}")
-        params = (float(alpha),)
-    elif partitioner == "pathological":
-        num_classes = _SPECS[name].num_classes
+        return (float(alpha),)
+    if partitioner == "pathological":
         if not 1 <= classes_per_partition <= num_classes:
             raise ValueError(
                 f"classes_per_partition must be in [1, {num_classes}] for {name}, got {classes_per_partition}"
             )
-        params = (int(classes_per_partition),)
-    else:
-        params = ()
-    load = _partition_loader(name, num_partitions, partitioner, params, seed, _resolve_data_dir(name, data_dir))
-    return _to_tensors(name, load(partition_id))
+        return (int(classes_per_partition),)
+    return ()
+
+
+# Index partitioners of user data sets, by (labels digest, num_partitions, partitioner, params, seed).
+_INDEX_LOADERS: dict[tuple[object, ...], Callable[[int], datasets.Dataset]] = {}
+_INDEX_LOADERS_MAX = 16
+
+
+def partition_indices(
+    labels: np.ndarray,
+    partition_id: int,
+    num_partitions: int,
+    *,
+    partitioner: str = "iid",
+    alpha: float = 0.5,
+    classes_per_partition: int = 2,
+    seed: int = 0,
+) -> np.ndarray:
+    """Indices of partition ``partition_id`` of a data set given by its labels (e.g. a user's data set).
+
+    The same flwr-datasets partitioners as :func:`load_partition` split a table of (index, label)
+    rows, so any data set with integer labels is partitioned as the built-in ones are.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray
+        ``[n]`` integer labels of the training set, ``0 .. num_classes - 1``.
+    partition_id, num_partitions, partitioner, alpha, classes_per_partition, seed
+        As in :func:`load_partition`.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 indices into ``labels``, in ascending order.
+    """
+    y = np.ascontiguousarray(labels, dtype=np.int64)
+    params = _partitioner_params(
+        "this data set", int(y.max()) + 1 if len(y) else 0, partition_id, num_partitions, partitioner, alpha,
+        classes_per_partition,
+    )
+    key = (hashlib.sha256(y.tobytes()).hexdigest(), num_partitions, partitioner, params, seed)
+    load = _INDEX_LOADERS.get(key)
+    if load is None:
+        table = datasets.Dataset.from_dict({"index": np.arange(len(y), dtype=np.int64), _LABEL: y})
+        part = _make_partitioner(partitioner, num_partitions, params, len(y), seed)
+        part.dataset = table
+        load = part.load_partition
+        load(0)  # assign now, so that a failing Dirichlet draw is never cached
+        if len(_INDEX_LOADERS) >= _INDEX_LOADERS_MAX:
+            _INDEX_LOADERS.clear()
+        _INDEX_LOADERS[key] = load
+    return np.sort(np.asarray(load(partition_id)["index"], dtype=np.int64))
 
 
 def load_test_set(
@@ -425,7 +490,7 @@ def _to_tensors(name: str, split: datasets.Dataset) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def load_local(path: str | os.PathLike[str], name: str) -> TensorDataset:
+def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorDataset:
     """A device's own data set, prepared beforehand on the device (deployment).
 
     Parameters
@@ -441,19 +506,30 @@ def load_local(path: str | os.PathLike[str], name: str) -> TensorDataset:
         ``x`` must have the input shape of data set ``name`` (e.g. 64 features for digits) and
         ``y`` integer labels in ``[0, num_classes)``; ``x`` is used as given (normalise it as the
         central data set is).
-    name : str
-        The configured data set, whose input shape and classes the model was built for.
+    name : str or DatasetSpec
+        The configured data set, whose input shape and classes the model was built for; a user data set
+        (``dataset._target_``) is given by its spec, and its ``save_to_disk`` directory has the columns
+        ``x`` and ``label`` (or ``y``).
 
     Raises
     ------
     ValueError
         A missing path, an unknown format, missing arrays, or shapes and labels that do not fit ``name``.
     """
-    spec = dataset_spec(name)
+    spec = name if isinstance(name, DatasetSpec) else dataset_spec(name)
+    label = "the data set" if isinstance(name, DatasetSpec) else name
     where = Path(path)
     if not where.exists():
         raise ValueError(f"data-path {str(where)!r} does not exist")
-    if where.is_dir():
+    if where.is_dir() and isinstance(name, DatasetSpec):
+        table = datasets.load_from_disk(str(where)).with_format("numpy")
+        label = next((c for c in (_LABEL, "y") if c in table.column_names), None)
+        if _DIGITS_FEATURE not in table.column_names or label is None:
+            raise ValueError(f"{where}: a save_to_disk directory needs columns 'x' and 'label' (or 'y'), "
+                             f"found {table.column_names}")
+        x = torch.from_numpy(np.asarray(table[_DIGITS_FEATURE], dtype=np.float32))
+        y = torch.from_numpy(np.asarray(table[label], dtype=np.int64))
+    elif where.is_dir():
         x, y = _to_tensors(name, datasets.load_from_disk(str(where))).tensors
     elif where.suffix == ".npz":
         with np.load(where, allow_pickle=False) as arrays:
@@ -471,7 +547,7 @@ def load_local(path: str | os.PathLike[str], name: str) -> TensorDataset:
         raise ValueError(f"{where}: unknown data format; use a .npz or .safetensors file or a save_to_disk directory")
     if tuple(x.shape[1:]) != tuple(spec.input_shape) or len(x) != len(y) or len(y) == 0:
         raise ValueError(
-            f"{where}: x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)} do not fit {name} "
+            f"{where}: x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)} do not fit {label} "
             f"(x [n, {', '.join(map(str, spec.input_shape))}], y [n], n >= 1)"
         )
     if int(y.min()) < 0 or int(y.max()) >= spec.num_classes:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedrobust import aggregators, attacks, data, models
+from fedrobust import aggregators, attacks, components, data, models
 from fedrobust.config import AMP_MODES, CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, CheckpointConfig, RunConfig
 from fedrobust.config import ConfigError, format_value
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
@@ -49,9 +49,9 @@ def _choice(problems: list[str], key: str, value: str, valid: Sequence[str]) -> 
 
 
 def build_aggregator(cfg: RunConfig) -> aggregators.Aggregator:
-    """The configured pre-aggregators and rule, with f = num_byzantine."""
+    """The configured pre-aggregators and rule (built-in name or ``_target_``), with f = num_byzantine."""
     return aggregators.build(
-        cfg.aggregator.name,
+        cfg.aggregator._target_ or cfg.aggregator.name,
         f=cfg.num_byzantine,
         pre=[{"name": p, **cfg.aggregator.pre_params.get(p, {})} for p in cfg.pre_aggregators()],
         **cfg.aggregator.params,
@@ -76,7 +76,9 @@ def _check_counts(cfg: RunConfig, problems: list[str]) -> None:
 
 def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     """Names of the rule, data, model, optimizer and attack, and the parameters they take."""
-    rule_ok = _choice(problems, "aggregator.name", cfg.aggregator.name, aggregators.names())
+    target = cfg.aggregator._target_
+    rule_key, rule_label = ("aggregator._target_", target) if target else ("aggregator.name", cfg.aggregator.name)
+    rule_ok = bool(target) or _choice(problems, "aggregator.name", cfg.aggregator.name, aggregators.names())
     pre_ok = all(
         [_choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in cfg.pre_aggregators()]
     )
@@ -85,9 +87,9 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
         _problem(problems, "aggregator.pre_params", cfg.aggregator.pre_params,
                  f"has parameters for {stray}, which aggregator.pre={cfg.aggregator.pre!r} does not run")
         pre_ok = False
-    dataset_ok = _choice(problems, "dataset.name", cfg.dataset.name, data.DATASETS)
+    spec = _check_dataset(cfg, problems)
     _choice(problems, "partition.name", cfg.partition.name, data.PARTITIONERS)
-    model_ok = _choice(problems, "model.name", cfg.model.name, models.names())
+    _check_model(cfg, spec, problems)
     _choice(problems, "server_optimizer.name", cfg.server_optimizer.name, SERVER_OPTIMIZERS)
     attack_ok = _choice(problems, "attack.name", cfg.attack.name, ["none", *attacks.names()])
     if cfg.attack.name != "none" and cfg.num_byzantine == 0:
@@ -99,24 +101,15 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
             _problem(problems, "attack.params", cfg.attack.params, str(err))
     elif cfg.attack.name == "none" and cfg.attack.params:
         _problem(problems, "attack.params", cfg.attack.params, "attack=none takes no parameters")
-    if model_ok and dataset_ok:
-        spec = data.dataset_spec(cfg.dataset.name)
-        try:
-            # Forked so that checking does not move the global RNG the initial weights are drawn from.
-            with torch.random.fork_rng(devices=[]):
-                models.build_model(cfg.model.name, input_shape=spec.input_shape, num_classes=spec.num_classes,
-                                   **cfg.model.params)
-        except (TypeError, ValueError) as err:
-            if cfg.model.params and "no option" in str(err):
-                _problem(problems, "model.params", cfg.model.params, str(err))
-            else:  # the model cannot take the data set's inputs (e.g. a CNN on flat digits)
-                _problem(problems, "model.name", cfg.model.name, f"{err} (dataset.name={cfg.dataset.name})")
     if not rule_ok or cfg.num_byzantine < 0:
         return
     try:
-        rule = aggregators.build(cfg.aggregator.name, f=cfg.num_byzantine, **cfg.aggregator.params)
+        rule = aggregators.build(target or cfg.aggregator.name, f=cfg.num_byzantine, **cfg.aggregator.params)
     except (TypeError, ValueError) as err:
-        _problem(problems, "aggregator.params", cfg.aggregator.params, str(err))
+        if target:  # import, signature or contract: the message says which
+            _problem(problems, rule_key, target, " ".join(str(err).split()))
+        else:
+            _problem(problems, "aggregator.params", cfg.aggregator.params, str(err))
         return
     if not pre_ok:
         return
@@ -129,18 +122,79 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     if 1 <= cfg.clients_per_round < rule.min_n():
         _problem(
             problems, "num_byzantine", cfg.num_byzantine,
-            f"f={cfg.num_byzantine} is too large for {cfg.aggregator.name}: it needs at least {rule.min_n()} "
+            f"f={cfg.num_byzantine} is too large for {rule_label}: it needs at least {rule.min_n()} "
             f"replies per round, but clients_per_round={cfg.clients_per_round}",
         )
 
 
+def _check_dataset(cfg: RunConfig, problems: list[str]) -> data.DatasetSpec | None:
+    """The configured data set's spec, or None (with its problem) when it cannot be had."""
+    target = cfg.dataset._target_
+    if not target:
+        if cfg.dataset.params:  # built-in data sets take none: they would be ignored
+            _problem(problems, "dataset.params", cfg.dataset.params,
+                     f"dataset.name={cfg.dataset.name} takes no parameters (they go to a dataset._target_ loader)")
+        if _choice(problems, "dataset.name", cfg.dataset.name, data.DATASETS):
+            return data.dataset_spec(cfg.dataset.name)
+        return None
+    try:
+        return components.dataset_spec(cfg)  # loads it (once per process): the server evaluates on it anyway
+    except Exception as err:  # noqa: BLE001 - a user's loader may raise anything; report it as a config problem
+        _problem(problems, "dataset._target_", target, " ".join(str(err).split()) or type(err).__name__)
+        return None
+
+
+def _check_model(cfg: RunConfig, spec: data.DatasetSpec | None, problems: list[str]) -> None:
+    """The model is known (or importable) and takes the data set's inputs."""
+    target = cfg.model._target_
+    if not target and not _choice(problems, "model.name", cfg.model.name, models.names()):
+        return
+    if spec is None:
+        return
+    try:
+        # Forked so that checking does not move the global RNG the initial weights are drawn from.
+        with torch.random.fork_rng(devices=[]):
+            net = components.build_model(cfg.model, spec)
+            if target:
+                components.check_model(net, spec)
+    except Exception as err:  # noqa: BLE001 - a user's factory or forward may raise anything
+        message = " ".join(str(err).split()) or type(err).__name__
+        if target:
+            _problem(problems, "model._target_", target, f"{message} (dataset: {components.dataset_label(cfg.dataset)})")
+        elif cfg.model.params and "no option" in message:
+            _problem(problems, "model.params", cfg.model.params, message)
+        elif cfg.model.params and _builds_plain(cfg.model.name, spec):  # the values of the options are at fault
+            _problem(problems, "model.params", cfg.model.params, f"{cfg.model.name} cannot be built with them: {message}")
+        else:  # the model cannot take the data set's inputs (e.g. a CNN on flat digits)
+            _problem(problems, "model.name", cfg.model.name, f"{message} (dataset.name={cfg.dataset.name})")
+
+
+def _builds_plain(name: str, spec: data.DatasetSpec) -> bool:
+    """Whether built-in model ``name`` takes the data set with its default options."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            models.build_model(name, input_shape=spec.input_shape, num_classes=spec.num_classes)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def _check_partition(cfg: RunConfig, problems: list[str]) -> None:
     _positive(problems, "partition.alpha", cfg.partition.alpha)
-    if cfg.dataset.name in data.DATASETS:
-        num_classes = data.dataset_spec(cfg.dataset.name).num_classes
+    spec = None
+    if cfg.dataset._target_:
+        try:
+            spec = components.dataset_spec(cfg)  # cached: a failing loader is reported by _check_dataset
+        except Exception:  # noqa: BLE001
+            spec = None
+    elif cfg.dataset.name in data.DATASETS:
+        spec = data.dataset_spec(cfg.dataset.name)
+    if spec is not None:
+        num_classes = spec.num_classes
         if not 1 <= cfg.partition.classes_per_partition <= num_classes:
+            name = components.dataset_label(cfg.dataset)
             _problem(problems, "partition.classes_per_partition", cfg.partition.classes_per_partition,
-                     f"must be in [1, {num_classes}] ({cfg.dataset.name} has {num_classes} classes)")
+                     f"must be in [1, {num_classes}] ({name} has {num_classes} classes)")
 
 
 def _check_server_optimizer(cfg: RunConfig, problems: list[str]) -> None:

@@ -1,4 +1,7 @@
-"""The model of an experiment and its central evaluation, in the shapes ``strategy.start()`` takes."""
+"""The model of an experiment and its central evaluation, in the shapes ``strategy.start()`` takes.
+
+Model and test set are components (:mod:`fedrobust.components`): built-ins by name, a user's by ``_target_``.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +10,16 @@ from collections.abc import Callable
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from fedrobust import data, models, training
+from fedrobust import components, training
 from fedrobust.config import RunConfig
 
 
 def build_global_model(cfg: RunConfig) -> torch.nn.Module:
     """The model of the run, initialised from the run's seed (the global RNG is left as it was)."""
-    spec = data.dataset_spec(cfg.dataset.name)
+    spec = components.dataset_spec(cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return models.build_model(
-            cfg.model.name, input_shape=spec.input_shape, num_classes=spec.num_classes, **cfg.model.params
-        )
+        return components.build_model(cfg.model, spec)
 
 
 def initial_arrays(cfg: RunConfig) -> ArrayRecord:
@@ -28,7 +29,7 @@ def initial_arrays(cfg: RunConfig) -> ArrayRecord:
 
 def central_evaluate_fn(cfg: RunConfig) -> Callable[[int, ArrayRecord], MetricRecord]:
     """``evaluate_fn(server_round, arrays)`` for ``strategy.start()``: loss and accuracy on the test set."""
-    test_set = data.load_test_set(cfg.dataset.name, seed=cfg.seed)
+    test_set = components.load_test_set(cfg)
     model = build_global_model(cfg)
     device = training.pick_device("auto")
 

@@ -47,7 +47,9 @@ def strategy_from_config(
 ) -> RobustStrategy:
     """The strategy ``cfg`` describes; metrics go to ``out_dir/metrics.jsonl`` when given."""
     return RobustStrategy(
-        aggregator=cfg.aggregator.name,
+        # A built-in rule's name or a user rule's dotted path: RobustStrategy rebuilds it by name for
+        # the f left after faulty nodes are excluded.
+        aggregator=cfg.aggregator._target_ or cfg.aggregator.name,
         num_byzantine=cfg.num_byzantine,
         pre=[{"name": p, **cfg.aggregator.pre_params.get(p, {})} for p in cfg.pre_aggregators()],
         aggregator_params=cfg.aggregator.params,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fedrobust.aggregators.base import Component, PreAggregator, Rule
 from fedrobust.aggregators.pipeline import Aggregator
 
-__all__ = ["build", "names", "pre_names", "register_pre", "register_rule"]
+__all__ = ["build", "build_pre", "names", "pre_names", "register_pre", "register_rule"]
 
 _RULES: dict[str, type[Rule]] = {}
 _PRES: dict[str, type[PreAggregator]] = {}
@@ -60,14 +60,21 @@ def _construct(cls: type[Component], f: int, params: Mapping[str, Any]) -> Compo
 
 
 def build(
-    name: str, f: int = 0, *, pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any] = (), **params: Any
+    name: str | Callable[..., Any],
+    f: int = 0,
+    *,
+    pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any] = (),
+    **params: Any,
 ) -> Aggregator:
-    """Build a robust aggregator.
+    """Build a robust aggregator: a registered rule by name, or a user rule by dotted path or callable.
 
     Parameters
     ----------
-    name : str
-        A rule from :func:`names`.
+    name : str or callable
+        A rule from :func:`names`; or a dotted path (``my_pkg.rules.MyRule``, as a config's
+        ``aggregator._target_``) or a callable, built with ``f`` and ``params`` by
+        :func:`fedrobust.components.user_rule` and contract-checked
+        (:func:`fedrobust.components.check_rule`) before it is returned.
     f : int
         Number of Byzantine rows to tolerate; also given to the pre-aggregators.
     pre : sequence of str or mapping
@@ -84,7 +91,8 @@ def build(
     Raises
     ------
     ValueError
-        Unknown names or parameters (the message lists the valid ones), or invalid values.
+        Unknown names or parameters (the message lists the valid ones), invalid values, a user rule
+        that cannot be imported or built, or one that fails the contract check.
 
     Examples
     --------
@@ -94,7 +102,20 @@ def build(
     >>> agg(torch.randn(7, 100)).shape
     torch.Size([100])
     """
-    rule = _construct(_lookup(_RULES, name, "aggregation rule"), f, params)
+    if isinstance(name, str) and (name in _RULES or not any(sep in name for sep in ".:")):
+        rule = _construct(_lookup(_RULES, name, "aggregation rule"), f, params)
+        return Aggregator(rule, build_pre(pre, f))  # type: ignore[arg-type]
+    from fedrobust.components import check_rule, user_rule  # a user's rule: imported on demand
+
+    def pipeline() -> Aggregator:
+        return Aggregator(user_rule(name, f, params), build_pre(pre, f))
+
+    check_rule(pipeline())  # on an instance of its own: the check must not move a stateful rule's state
+    return pipeline()
+
+
+def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], f: int) -> list[PreAggregator]:
+    """The pre-aggregators ``pre`` names (as in :func:`build`), each built with ``f``."""
     items = (pre,) if isinstance(pre, (str, Mapping)) else tuple(pre)
     stages = []
     for item in items:
@@ -104,4 +125,4 @@ def build(
         else:
             stage_name, stage_params = item, {}
         stages.append(_construct(_lookup(_PRES, stage_name, "pre-aggregator"), f, stage_params))
-    return Aggregator(rule, stages)  # type: ignore[arg-type]
+    return stages  # type: ignore[return-value]

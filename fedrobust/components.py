@@ -1,0 +1,433 @@
+"""Models, data sets and aggregation rules as components: a built-in by name, a user's by ``_target_``.
+
+Every place that builds one of them (run validation, the ClientApp, the server's central evaluation,
+the strategy factory) goes through this module, so a component named in a config behaves the same in
+a Hydra experiment, under ``flwr run`` and in deployment. A ``_target_`` is a dotted path
+(``my_pkg.models.Net``, or ``my_pkg.models:Net``) imported with :mod:`importlib`, as
+``hydra.utils.get_method`` does (the core does not import Hydra); the keyword arguments are the
+component's ``params``.
+
+The protocols, checked before a run starts (:func:`fedrobust.run_setup.validate`):
+
+model
+    ``_target_(**params)`` returns a :class:`torch.nn.Module` mapping a batch ``[b, *input_shape]``
+    to ``[b, num_classes]`` logits. The factory also receives ``input_shape`` and ``num_classes``
+    (from the data set) when its signature names them (or takes ``**kwargs``).
+dataset
+    ``_target_(**params)`` returns ``(train, test)``: each a :class:`torch.utils.data.Dataset` whose
+    items are ``(x, y)`` pairs (a ``TensorDataset`` is read without copying), or a Hugging Face
+    :class:`datasets.Dataset` with an input column ``x`` (or ``image``/``img``/``features``) and an
+    integer ``label`` (or ``y``) column. ``seed`` is passed when the signature names it. Labels are
+    ``0 .. num_classes - 1``; the input shape and number of classes are read from the data. In
+    simulation the training set is split among the clients by the configured flwr-datasets
+    partitioner (``partition.name``); the test set is the server's central evaluation.
+aggregator
+    ``_target_(f=f, **params)`` (``f`` only when the signature names it) returns a callable taking a
+    float ``[n, d]`` tensor of client updates (one flattened update per row) and returning the
+    ``[d]`` aggregate on the same device; it may define ``min_n()`` (fewest rows it accepts,
+    default 1) and ``state_dict()`` / ``load_state_dict()`` for state that a checkpoint keeps. A
+    subclass of :class:`fedrobust.aggregators.base.Rule` is used as it is. Every user rule passes a
+    contract check when built (:func:`check_rule`), and pre-aggregators (``aggregator.pre``) run in
+    front of it as in front of a built-in.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, TensorDataset
+
+from fedrobust import data, models
+from fedrobust.aggregators.base import Rule
+
+if TYPE_CHECKING:
+    from fedrobust.aggregators.pipeline import Aggregator
+    from fedrobust.aggregators.rows import Rows
+    from fedrobust.config import DatasetConfig, ModelConfig, RunConfig
+
+__all__ = [
+    "UserData",
+    "UserRule",
+    "build_model",
+    "check_rule",
+    "dataset_spec",
+    "describe",
+    "import_target",
+    "load_local",
+    "load_partition",
+    "load_test_set",
+    "user_rule",
+]
+
+logger = logging.getLogger(__name__)
+
+MODEL_PROTOCOL = "a torch.nn.Module factory, e.g. Net(*, hidden=64) or Net(input_shape, num_classes, ...)"
+DATASET_PROTOCOL = "a loader returning (train, test) torch Datasets of (x, y) pairs or Hugging Face Datasets"
+RULE_PROTOCOL = "a rule factory called with f and params, e.g. MyRule(f, **params), whose object maps [n, d] -> [d]"
+
+
+# ------------------------------------------------------------------------------------ import
+def import_target(path: str) -> Any:
+    """The object a dotted path names: ``pkg.module.attr`` or ``pkg.module:attr`` (nested attributes too).
+
+    Raises
+    ------
+    ValueError
+        One line naming what could not be found: the module (with Python's import error) or the
+        attribute (with the module it was looked up in).
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError("empty _target_; expected a dotted path such as my_pkg.models.Net")
+    path = path.strip()
+    if ":" in path:
+        module_name, _, attrs = path.partition(":")
+        candidates = [(module_name, attrs.split(".") if attrs else [])]
+    else:
+        names = path.split(".")
+        # The longest importable module prefix wins; the rest are attributes.
+        candidates = [(".".join(names[:cut]), names[cut:]) for cut in range(len(names) - 1, 0, -1)]
+    if not candidates or any(not n.isidentifier() for m, a in candidates[:1] for n in [*m.split("."), *a]):
+        raise ValueError(f"{path!r} is not a dotted path of Python names (e.g. my_pkg.models.Net)")
+    missing: ModuleNotFoundError | None = None
+    for module_name, attrs in candidates:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            inside = err.name is not None and err.name != module_name and not module_name.startswith(err.name + ".")
+            if inside:  # the module exists but imports something that does not
+                raise ValueError(f"importing {module_name!r} for {path!r} failed: {err}") from err
+            missing = missing or err
+            continue
+        except Exception as err:  # noqa: BLE001 - any error while importing the user's module is reported
+            raise ValueError(f"importing {module_name!r} for {path!r} failed: {type(err).__name__}: {err}") from err
+        obj: Any = module
+        where = module_name
+        for attr in attrs:
+            if not hasattr(obj, attr):
+                raise ValueError(f"cannot import {path!r}: {where!r} has no attribute {attr!r}")
+            obj = getattr(obj, attr)
+            where = f"{where}.{attr}"
+        return obj
+    raise ValueError(f"cannot import {path!r}: {missing} (is its package installed, or on PYTHONPATH?)")
+
+
+def describe(target: Any) -> str:
+    """``name(signature)`` of a callable, for messages."""
+    name = getattr(target, "__qualname__", None) or type(target).__name__
+    try:
+        return f"{name}{inspect.signature(target)}"
+    except (TypeError, ValueError):
+        return f"{name}(...)"
+
+
+def _accepts(target: Callable[..., Any], name: str) -> bool:
+    """Whether ``target`` takes keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        for p in params
+    )
+
+
+def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], path: str, protocol: str) -> Any:
+    """``target(**kwargs)``, or ValueError naming the signature when the arguments do not fit it."""
+    try:
+        inspect.signature(target).bind(**kwargs)
+    except TypeError as err:
+        raise ValueError(
+            f"{describe(target)} cannot be called with {sorted(kwargs)}: {err}; expected {protocol}"
+        ) from None
+    except ValueError:
+        pass  # no signature to check (a builtin): call it and see
+    return target(**kwargs)
+
+
+def _resolve(path: str, protocol: str) -> Callable[..., Any]:
+    target = import_target(path)
+    if not callable(target):
+        raise ValueError(f"{path} is a {type(target).__name__}, not callable; expected {protocol}")
+    return target
+
+
+# ------------------------------------------------------------------------------------ datasets
+@dataclass(frozen=True)
+class UserData:
+    """A user data set after loading: tensors and the spec read from them."""
+
+    train: TensorDataset
+    test: TensorDataset
+    spec: data.DatasetSpec
+
+
+_INPUT_COLUMNS = ("x", "image", "img", "features")
+_LABEL_COLUMNS = ("label", "y", "labels")
+
+
+def _as_tensors(split: Any, what: str) -> TensorDataset:
+    """A split of a user data set as ``(x float32, y int64)`` tensors."""
+    try:
+        import datasets as hf
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        hf = None
+    if hf is not None and isinstance(split, hf.Dataset):
+        columns = split.column_names
+        x_col = next((c for c in _INPUT_COLUMNS if c in columns), None)
+        y_col = next((c for c in _LABEL_COLUMNS if c in columns), None)
+        if x_col is None or y_col is None:
+            raise ValueError(
+                f"the {what} set is a Hugging Face Dataset with columns {columns}; it needs an input column "
+                f"({' or '.join(_INPUT_COLUMNS)}) and a label column ({' or '.join(_LABEL_COLUMNS)})"
+            )
+        arrays = split.with_format("numpy")[:]
+        x = torch.from_numpy(np.asarray(arrays[x_col], dtype=np.float32))
+        y = torch.from_numpy(np.asarray(arrays[y_col], dtype=np.int64))
+    elif isinstance(split, TensorDataset) and len(split.tensors) == 2:
+        x, y = split.tensors
+    elif isinstance(split, Dataset) or hasattr(split, "__getitem__") and hasattr(split, "__len__"):
+        try:
+            items = [split[i] for i in range(len(split))]  # type: ignore[arg-type]
+            x = torch.stack([torch.as_tensor(item[0]) for item in items])
+            y = torch.as_tensor([int(item[1]) for item in items])
+        except Exception as err:  # noqa: BLE001 - any shape of user data that is not (x, y) pairs
+            raise ValueError(f"the {what} set's items are not (x, y) pairs of tensors and integer labels: {err}") from err
+    else:
+        raise ValueError(f"the {what} set is a {type(split).__name__}; expected {DATASET_PROTOCOL}")
+    if len(x) == 0 or len(x) != len(y) or y.dim() != 1:
+        raise ValueError(f"the {what} set has x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)}; "
+                         "expected x [n, ...] and y [n] with n >= 1")
+    if y.is_floating_point() and not bool((y == y.round()).all()):
+        raise ValueError(f"the {what} set's labels are not integers")
+    y = y.long()
+    if int(y.min()) < 0:
+        raise ValueError(f"the {what} set has negative labels; labels must be 0 .. num_classes - 1")
+    return TensorDataset(x.float().contiguous(), y.contiguous())
+
+
+@functools.lru_cache(maxsize=4)
+def _load_user(path: str, params_json: str, seed: int) -> UserData:
+    """Load (once per process and configuration) a user data set and read its spec."""
+    loader = _resolve(path, DATASET_PROTOCOL)
+    kwargs = dict(json.loads(params_json))
+    if _accepts(loader, "seed") and "seed" not in kwargs:
+        kwargs["seed"] = seed
+    out = _call(loader, kwargs, path, DATASET_PROTOCOL)
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        raise ValueError(f"{describe(loader)} returned a {type(out).__name__}; expected (train, test)")
+    train, test = _as_tensors(out[0], "training"), _as_tensors(out[1], "test")
+    if train.tensors[0].shape[1:] != test.tensors[0].shape[1:]:
+        raise ValueError(
+            f"training inputs of shape {tuple(train.tensors[0].shape[1:])} and test inputs of shape "
+            f"{tuple(test.tensors[0].shape[1:])} differ"
+        )
+    num_classes = int(max(train.tensors[1].max(), test.tensors[1].max())) + 1
+    spec = data.DatasetSpec(input_shape=tuple(int(s) for s in train.tensors[0].shape[1:]), num_classes=num_classes)
+    logger.info("loaded data set %s: %d training and %d test samples, input %s, %d classes",
+                path, len(train), len(test), spec.input_shape, num_classes)
+    return UserData(train, test, spec)
+
+
+def user_data(cfg: RunConfig) -> UserData:
+    """The user data set of ``cfg`` (``dataset._target_`` set), loaded once per process."""
+    return _load_user(cfg.dataset._target_, json.dumps(cfg.dataset.params, sort_keys=True), cfg.seed)
+
+
+def dataset_label(ds: DatasetConfig) -> str:
+    """How the configured data set is named in messages: its ``_target_`` or its name."""
+    return ds._target_ or ds.name
+
+
+def dataset_spec(cfg: RunConfig) -> data.DatasetSpec:
+    """Input shape and number of classes of the configured data set (built-in or ``_target_``)."""
+    if cfg.dataset._target_:
+        return user_data(cfg).spec
+    return data.dataset_spec(cfg.dataset.name)
+
+
+def load_partition(cfg: RunConfig, partition_id: int, num_partitions: int) -> TensorDataset:
+    """Client ``partition_id``'s share of the training set, by the configured partitioner."""
+    p = cfg.partition
+    if not cfg.dataset._target_:
+        return data.load_partition(
+            cfg.dataset.name, partition_id, num_partitions, partitioner=p.name, alpha=p.alpha,
+            classes_per_partition=p.classes_per_partition, seed=cfg.seed,
+        )
+    x, y = user_data(cfg).train.tensors
+    index = data.partition_indices(
+        y.numpy(), partition_id, num_partitions, partitioner=p.name, alpha=p.alpha,
+        classes_per_partition=p.classes_per_partition, seed=cfg.seed,
+    )
+    chosen = torch.from_numpy(index)
+    return TensorDataset(x.index_select(0, chosen), y.index_select(0, chosen))
+
+
+def load_test_set(cfg: RunConfig) -> TensorDataset:
+    """The test set of the configured data set, for the server's central evaluation."""
+    if cfg.dataset._target_:
+        return user_data(cfg).test
+    return data.load_test_set(cfg.dataset.name, seed=cfg.seed)
+
+
+def load_local(path: str, cfg: RunConfig) -> TensorDataset:
+    """A device's own data file or directory (node config ``data-path``) for the configured data set."""
+    if not cfg.dataset._target_:
+        return data.load_local(path, cfg.dataset.name)
+    return data.load_local(path, dataset_spec(cfg))
+
+
+# ------------------------------------------------------------------------------------ models
+def build_model(model: ModelConfig, spec: data.DatasetSpec) -> nn.Module:
+    """A freshly initialised model (weights from PyTorch's global RNG: seed it first)."""
+    if not model._target_:
+        return models.build_model(model.name, input_shape=spec.input_shape, num_classes=spec.num_classes,
+                                  **model.params)
+    factory = _resolve(model._target_, MODEL_PROTOCOL)
+    kwargs = dict(model.params)
+    for name, value in (("input_shape", tuple(spec.input_shape)), ("num_classes", spec.num_classes)):
+        if name not in kwargs and _accepts(factory, name):
+            kwargs[name] = value
+    net = _call(factory, kwargs, model._target_, MODEL_PROTOCOL)
+    if not isinstance(net, nn.Module):
+        raise ValueError(f"{describe(factory)} returned a {type(net).__name__}; expected a torch.nn.Module")
+    return net
+
+
+def check_model(net: nn.Module, spec: data.DatasetSpec) -> None:
+    """Raise ValueError unless ``net`` maps a batch of the data set's inputs to ``[b, num_classes]`` logits."""
+    batch = torch.zeros(2, *spec.input_shape)
+    was_training = net.training
+    net.eval()
+    try:
+        with torch.no_grad():
+            out = net(batch)
+    except Exception as err:  # noqa: BLE001 - whatever the user's forward raises
+        raise ValueError(f"its forward pass on a batch of shape {list(batch.shape)} failed: "
+                         f"{type(err).__name__}: {err}") from err
+    finally:
+        net.train(was_training)
+    if not isinstance(out, Tensor) or tuple(out.shape) != (2, spec.num_classes):
+        shape = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"maps a batch of shape {list(batch.shape)} to {shape}; expected logits "
+                         f"[2, {spec.num_classes}] ({spec.num_classes} classes in the data set)")
+
+
+# ------------------------------------------------------------------------------------ rules
+class UserRule(Rule):
+    """A user's rule object (``[n, d] -> [d]``) as a :class:`~fedrobust.aggregators.base.Rule`.
+
+    Pre-aggregators, input checks and checkpoints of the pipeline work with it as with a built-in;
+    the rows reach the user's callable as one dense ``[m, d]`` tensor.
+    """
+
+    def __init__(self, impl: Callable[[Tensor], Tensor], f: int, label: str) -> None:
+        self.name = label  # type: ignore[misc]  # per instance: the user's dotted path
+        super().__init__(f)
+        self.impl = impl
+        min_n = getattr(impl, "min_n", None)
+        needed = min_n() if callable(min_n) else 1
+        if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
+            raise ValueError(f"{label}: min_n() returned {needed!r}; expected an integer >= 1")
+        self._min_n = needed
+
+    def requirement(self) -> tuple[int, str]:
+        return self._min_n, f"n >= {self._min_n} (its min_n())"
+
+    def aggregate(self, rows: Rows, weights: Tensor | None) -> Tensor:
+        dense = torch.cat([chunk for _, _, chunk in rows.chunks()], dim=1)
+        out = self.impl(dense)
+        if not isinstance(out, Tensor) or tuple(out.shape) != (rows.d,) or not out.is_floating_point():
+            got = f"shape {tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"{self.name}: returned {got} for [{rows.m}, {rows.d}] updates; a rule must return a "
+                             f"floating-point [d] tensor ([{rows.d}])")
+        return out.to(device=dense.device, dtype=rows.dtype)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        method = getattr(self.impl, "state_dict", None)
+        return dict(method()) if callable(method) else {}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        method = getattr(self.impl, "load_state_dict", None)
+        if callable(method):
+            method(state)
+        else:
+            super().load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"UserRule({self.name}, f={self.f})"
+
+
+def _rule_label(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
+
+
+def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any]) -> Rule:
+    """The rule a ``_target_`` (dotted path) or a callable names, built with ``f`` and ``params``.
+
+    Raises
+    ------
+    ValueError
+        The target cannot be imported, does not take the parameters (the message shows its
+        signature), or returns something that is not a rule.
+    """
+    label = _rule_label(target)
+    factory = _resolve(target, RULE_PROTOCOL) if isinstance(target, str) else target
+    if not callable(factory):
+        raise ValueError(f"aggregator {target!r} is neither a rule name, a dotted path nor callable")
+    if isinstance(factory, type) and issubclass(factory, Rule):
+        kwargs = dict(params)
+        try:
+            inspect.signature(factory).bind(f, **kwargs)
+        except TypeError as err:
+            raise ValueError(f"{describe(factory)} cannot be called with f and {sorted(kwargs)}: {err}") from None
+        return factory(f, **kwargs)
+    kwargs = dict(params)
+    if _accepts(factory, "f"):
+        kwargs["f"] = f
+    impl = _call(factory, kwargs, label, RULE_PROTOCOL)
+    if isinstance(impl, Rule):
+        return impl
+    if not callable(impl):
+        raise ValueError(f"{describe(factory)} returned a {type(impl).__name__}, which is not callable; "
+                         f"expected {RULE_PROTOCOL}")
+    return UserRule(impl, f, label)
+
+
+def check_rule(aggregator: Aggregator, *, d: int = 5) -> None:
+    """Contract check of a freshly built pipeline: random ``[n, d]`` in, a finite ``[d]`` out.
+
+    ``n`` is the pipeline's ``min_n()`` and ``2f + 3`` rows, whichever is larger. Run on a fresh
+    pipeline (a stateful rule's state moves).
+
+    Raises
+    ------
+    ValueError
+        Naming the rule and what it returned.
+    """
+    n = max(aggregator.min_n(), 2 * aggregator.f + 3)
+    gen = torch.Generator().manual_seed(0)
+    updates = torch.randn(n, d, generator=gen)
+    where = f"{aggregator.label} (f={aggregator.f})"
+    try:
+        out = aggregator(updates)
+    except ValueError as err:
+        raise ValueError(f"{where}: contract check on random [{n}, {d}] updates failed: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a user rule may raise anything
+        raise ValueError(f"{where}: contract check on random [{n}, {d}] updates raised "
+                         f"{type(err).__name__}: {err}") from None
+    if tuple(out.shape) != (d,) or not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{where}: contract check: returned shape {tuple(out.shape)} for [{n}, {d}] updates; "
+                         f"expected a finite [{d}] tensor")

@@ -1,0 +1,280 @@
+"""Components by ``_target_``: a user's model, data set and rule from a module outside the package.
+
+The module is examples/user-components/my_components.py (the documented example) copied into a
+temporary directory under another name, plus a few broken components. Fast tests check building,
+partitioning and that bad targets fail in validation with a message naming what is wrong; the slow
+ones train with them in a Hydra-composed experiment and under ``flwr run``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedrobust import aggregators, components
+from fedrobust.config import (
+    APP_PYPROJECTS,
+    ConfigError,
+    RunConfig,
+    from_flat,
+    replace_run_config_block,
+)
+from fedrobust.run_setup import byzantine_partitions, validate
+
+REPO = Path(__file__).resolve().parents[1]
+MODULE = "fr_user_components"  # not a name of anything installed
+BROKEN = '''
+
+class WrongLogits(Net):
+    """Builds, but returns 3 logits whatever the data set has."""
+
+    def forward(self, x):
+        return super().forward(x)[:, :3]
+
+
+def only_train(seed=0):
+    return load(seed)[0]
+
+
+class WrongShape(CoordinateMedian):
+    def __call__(self, updates):
+        return updates[:2]
+
+
+class Raises(CoordinateMedian):
+    def __call__(self, updates):
+        raise RuntimeError("boom")
+
+
+def hf_load(seed=0):
+    import datasets
+
+    train, test = load(seed)
+    table = lambda ds: datasets.Dataset.from_dict({"x": ds.tensors[0].numpy(), "label": ds.tensors[1].numpy()})
+    return table(train), table(test)
+'''
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("user_code")
+    source = (REPO / "examples" / "user-components" / "my_components.py").read_text()
+    (where / f"{MODULE}.py").write_text(source + BROKEN)
+    return where
+
+
+@pytest.fixture()
+def on_path(user_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.syspath_prepend(str(user_dir))
+    return user_dir
+
+
+def _targets(**extra: object) -> dict[str, object]:
+    return {
+        "num_clients": 5,
+        "clients_per_round": 5,
+        "num_byzantine": 1,
+        "model._target_": f"{MODULE}.Net",
+        "dataset._target_": f"{MODULE}.load",
+        "aggregator._target_": f"{MODULE}.CoordinateMedian",
+        **extra,
+    }
+
+
+def test_user_components_validate_build_and_partition(on_path: Path) -> None:
+    cfg = validate(from_flat(_targets(**{"partition.name": "dirichlet", "model.params": {"hidden": 8}})))
+    spec = components.dataset_spec(cfg)
+    assert spec.input_shape == (64,) and spec.num_classes == 10
+    net = components.build_model(cfg.model, spec)
+    assert net(torch.zeros(3, 64)).shape == (3, 10) and net.body[1].out_features == 8  # params reached it
+    train = components.user_data(cfg).train
+    parts = [components.load_partition(cfg, i, 5) for i in range(5)]
+    assert sum(len(p) for p in parts) == len(train)  # flwr-datasets' partitioner split it all
+    assert len({len(p) for p in parts}) > 1  # dirichlet: unequal shares
+    again = components.load_partition(cfg, 2, 5)
+    assert torch.equal(again.tensors[0], parts[2].tensors[0])  # the same partition every round
+    agg = aggregators.build(cfg.aggregator._target_, f=1, pre=["nnm"])
+    assert agg.min_n() == 3 and agg(torch.randn(5, 7)).shape == (7,)
+
+
+def test_hugging_face_dataset_protocol(on_path: Path) -> None:
+    cfg = validate(from_flat(_targets(**{"dataset._target_": f"{MODULE}.hf_load", "seed": 3})))
+    torch_cfg = from_flat(_targets(seed=3))
+    assert torch.equal(components.load_test_set(cfg).tensors[1], components.load_test_set(torch_cfg).tensors[1])
+
+
+def test_library_api_takes_a_dotted_path_or_a_callable(on_path: Path) -> None:
+    from fedrobust import RobustStrategy
+
+    module = __import__(MODULE)
+    for rule in (f"{MODULE}.CoordinateMedian", module.CoordinateMedian):
+        strategy = RobustStrategy(aggregator=rule, num_byzantine=1)
+        rows = torch.tensor([[0.0, 1.0], [1.0, 2.0], [2.0, 3.0], [3.0, 4.0], [100.0, -100.0]])
+        assert torch.equal(strategy.aggregator(rows), torch.tensor([2.0, 2.0]))
+    with pytest.raises(ValueError, match="contract check.*returned shape"):
+        RobustStrategy(aggregator=module.WrongShape, num_byzantine=1)
+
+
+@pytest.mark.parametrize(
+    "overrides,problem",
+    [
+        ({"model._target_": "fr_no_such_pkg.models.Net"},
+         r"model\._target_=fr_no_such_pkg\.models\.Net: cannot import .*No module named 'fr_no_such_pkg'"),
+        ({"model._target_": f"{MODULE}.Nett"}, rf"model\._target_={MODULE}\.Nett: .*'{MODULE}' has no attribute 'Nett'"),
+        ({"model.params": {"hiddn": 8}},
+         r"model\._target_=.*Net\(input_shape, num_classes, hidden=32\) cannot be called with .*hiddn"),
+        ({"model._target_": f"{MODULE}.WrongLogits"}, r"model\._target_=.*WrongLogits: .*expected logits \[2, 10\]"),
+        ({"dataset._target_": f"{MODULE}.only_train"}, r"dataset\._target_=.*only_train: .*expected \(train, test\)"),
+        ({"dataset._target_": f"{MODULE}.load", "dataset.params": {"fraction": 0.5}},
+         r"dataset\._target_=.*load: load\(seed=0, test_fraction=0\.2\) cannot be called with .*fraction"),
+        ({"aggregator._target_": f"{MODULE}.WrongShape"},
+         r"aggregator\._target_=.*WrongShape: .*contract check.*returned shape \(2, 5\).*must return a floating-point \[d\]"),
+        ({"aggregator._target_": f"{MODULE}.Raises"}, r"aggregator\._target_=.*Raises: .*raised RuntimeError: boom"),
+        ({"aggregator.params": {"tau": 1.0}},
+         r"aggregator\._target_=.*CoordinateMedian: CoordinateMedian\(f=0\) cannot be called with .*tau"),
+        ({"aggregator._target_": "torch.nn"}, r"aggregator\._target_=torch\.nn: .*not callable"),
+    ],
+)
+def test_bad_target_fails_in_validation_naming_it(on_path: Path, overrides: dict, problem: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(from_flat(_targets(**overrides)))
+    assert any(re.search(problem, line) for line in err.value.problems), err.value.problems
+
+
+def test_builtins_keep_their_short_names() -> None:
+    cfg = validate(from_flat({"model.name": "mlp", "aggregator.name": "krum", "num_byzantine": 1}))
+    assert components.dataset_spec(cfg).num_classes == 10
+    assert aggregators.build(cfg.aggregator.name, f=1).name == "krum"
+
+
+# ------------------------------------------------------------------ one source of truth, safe defaults
+def test_pyproject_run_config_is_generated_from_run_config() -> None:
+    """Both apps' [tool.flwr.app.config] are what `python -m fedrobust.config --pyproject` writes."""
+    from flwr.common.config import flatten_dict
+
+    for name in APP_PYPROJECTS:
+        text = (REPO / name).read_text()
+        assert replace_run_config_block(text) == text, f"{name}: run `python -m fedrobust.config --pyproject`"
+        flat = flatten_dict(tomllib.loads(text)["tool"]["flwr"]["app"]["config"])
+        assert from_flat(flat) == RunConfig(), name
+
+
+def test_hydra_default_experiment_is_run_config_defaults() -> None:
+    from tests.test_config import _compose
+
+    assert _compose() == RunConfig()
+
+
+def test_shipped_flwr_app_has_no_byzantine_clients() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    app = project["tool"]["flwr"]["app"]
+    cfg = from_flat(app["config"])
+    assert cfg.attack.name == "none" and byzantine_partitions(cfg) == frozenset()
+    assert cfg.num_byzantine > 0  # a tolerance, not attackers
+    assert app["components"]["clientapp"] == "fedrobust.clients.client_app:app"  # the honest app
+    drill = tomllib.loads((REPO / "examples" / "byzantine-drill" / "pyproject.toml").read_text())
+    assert drill["tool"]["flwr"]["app"]["components"]["clientapp"] == "fedrobust.clients.byzantine_app:app"
+
+
+def test_fab_ships_only_what_runs() -> None:
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    fab = build_fab_from_disk(REPO)
+    names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops == {"pyproject.toml", ".info", "fedrobust", "strategies", "clients"}, tops
+    assert "clients/byzantine_app.py" in names and len(fab) < 1_500_000, len(fab)
+
+
+# ------------------------------------------------------------------ slow: real runs
+@pytest.mark.slow
+def test_honest_app_ignores_attack_config(tmp_path: Path) -> None:
+    """The shipped ClientApp with attack=sign_flip in run and node config trains as attack=none does."""
+    from experiments.inprocess import run_inprocess
+    from fedrobust.clients.client_app import make_client_app
+    from tests.simulation_helpers import small_config
+
+    attacked = small_config(tmp_path / "a", **{"attack.name": "sign_flip", "aggregator.name": "mean"})
+    honest = small_config(tmp_path / "b", **{"attack.name": "none", "aggregator.name": "mean"})
+    run_inprocess(attacked, Path(attacked.output_dir), client_app=make_client_app(attacked, byzantine=False))
+    run_inprocess(honest, Path(honest.output_dir))
+    played = small_config(tmp_path / "c", **{"attack.name": "sign_flip", "aggregator.name": "mean"})
+    run_inprocess(played, Path(played.output_dir))  # make_client_app(cfg): a simulation plays the attack
+    model = lambda c: (Path(c.output_dir) / "final_model.safetensors").read_bytes()  # noqa: E731
+    assert model(attacked) == model(honest) != model(played)
+
+
+@pytest.mark.slow
+def test_user_components_train_in_a_hydra_experiment(on_path: Path, tmp_path: Path) -> None:
+    from experiments.inprocess import run_inprocess
+    from tests.test_config import _compose
+
+    cfg = validate(_compose(
+        "num_clients=5", "clients_per_round=5", "num_rounds=3", "num_byzantine=1", "attack=sign_flip",
+        f"model._target_={MODULE}.Net", f"dataset._target_={MODULE}.load",
+        f"aggregator._target_={MODULE}.CoordinateMedian", "+model.params.hidden=32",
+        f"output_dir={tmp_path / 'out'}",
+    ))
+    assert cfg.model.params == {"hidden": 32}
+    rows = run_inprocess(cfg, tmp_path / "out")
+    assert len(rows) == 3 and rows[-1]["accuracy"] > 0.5, rows  # chance: 0.1; 0.71 with this seed
+    assert json.loads((tmp_path / "out" / "resolved_config.json").read_text())["aggregator"]["_target_"].endswith(
+        "CoordinateMedian")
+
+
+@pytest.mark.slow
+def test_bad_target_exits_before_the_run_on_the_command_line(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "model._target_=fr_no_such_pkg.Net", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 2, res.stderr
+    assert "model._target_=fr_no_such_pkg.Net: cannot import" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) -> None:
+    """`flwr run .` on a local simulation SuperLink, the user's module on the nodes' PYTHONPATH."""
+    import os
+
+    from tests.flower_processes import FlowerProcesses, executable, write_flwr_home
+    from tests.test_flwr_run import FEDERATION, _run_status
+
+    out = tmp_path / "out"
+    with FlowerProcesses(tmp_path) as fp:
+        path = os.pathsep.join(p for p in (str(user_dir), os.environ.get("PYTHONPATH", "")) if p)
+        link = fp.start_superlink(simulation=True, env=fp.env({"PYTHONPATH": path}))
+        write_flwr_home(tmp_path, FEDERATION, link.address,
+                        options={"num-supernodes": 5, "backend": {"client-resources": {"num-cpus": 1}}})
+        run_config = (
+            f"num_rounds=3 num_clients=5 clients_per_round=5 num_byzantine=1 output_dir='{out}' "
+            f"model._target_='{MODULE}.Net' dataset._target_='{MODULE}.load' "
+            f"aggregator._target_='{MODULE}.CoordinateMedian'"
+        )
+        started = time.monotonic()
+        res = subprocess.run(
+            [executable("flwr"), "run", ".", FEDERATION, "--stream", "--run-config", run_config],
+            cwd=REPO, env=fp.env(), capture_output=True, text=True, timeout=300,
+        )
+        report = f"flwr run ({time.monotonic() - started:.0f}s):\n{res.stdout}\n{res.stderr}\n{fp.tails()}"
+        assert res.returncode == 0, report
+        match = re.search(r"Successfully started run (\d+)", res.stdout)
+        assert match, report
+        assert _run_status(fp, int(match.group(1))).endswith("completed"), report
+        fp.stop(link)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and rows[-1]["accuracy"] > 0.5, rows  # chance: 0.1
+    resolved = json.loads((out / "resolved_config.json").read_text())
+    assert resolved["model"]["_target_"] == f"{MODULE}.Net"
