@@ -1,10 +1,12 @@
 """Tables and figures of the robustness study (``experiments/study.py``).
 
-    python -m experiments.report --results outputs/study --docs docs [--pilot outputs/pilot]
+    python -m experiments.report --results outputs/study [--pilot outputs/pilot]   # -> outputs/study/report/
+    python -m experiments.report --results docs/results --docs docs ...            # the shipped docs/results.md
 
 Writes ``<docs>/results.md`` and ``<docs>/figures/*.png`` from the run results in
-``--results``. ``--pilot`` adds the pilot that chose the rule behind NNM;
-``<docs>/results/notes.md``, when present, is included as the discussion.
+``--results``; without ``--docs``, ``<docs>`` is ``<results>/report``, so that a report of one's
+own study never overwrites the shipped docs. ``--pilot`` adds the pilot that chose the rule
+behind NNM; ``<docs>/results/notes.md``, when present, is included as the discussion.
 """
 
 from __future__ import annotations
@@ -572,7 +574,8 @@ def write_report(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.report", description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, required=True, help="the study's --out directory")
-    parser.add_argument("--docs", type=Path, default=Path("docs"), help="where results.md and figures/ go")
+    parser.add_argument("--docs", type=Path, default=None,
+                        help="where results.md and figures/ go (default: <results>/report; docs: the shipped page)")
     parser.add_argument("--pilot", type=Path, default=None, help="the pilot's --out directory (optional)")
     parser.add_argument("--extra", type=Path, nargs="+", default=[],
                         help="--out directories of supplementary sweeps (run with --set ...)")
@@ -581,8 +584,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
     command = shlex.join(["python", "-m", "experiments.report", *(sys.argv[1:] if argv is None else argv)])
+    docs_dir = args.docs if args.docs is not None else args.results / "report"
     path = write_report(
-        args.results, args.docs, pilot_dir=args.pilot, extra_dirs=args.extra, report_command=command
+        args.results, docs_dir, pilot_dir=args.pilot, extra_dirs=args.extra, report_command=command
     )
     print(f"wrote {path}")
 

@@ -7,9 +7,10 @@
 Metrics (metrics.jsonl), the resolved config and the final model land in Hydra's
 run directory.
 
-Exit codes: 0 done; 1 the run could not train (no nodes, no quorum, every client failing), with a
-one-line reason; 2 an invalid configuration, every problem on its own line, before Ray or Flower
-starts; 75 stopped by SIGTERM/SIGINT (run the same command again to resume). ``HYDRA_FULL_ERROR=1``
+Exit codes: 0 done; 1 the run could not train (no nodes, no quorum, every client failing) or
+refused to resume from its checkpoints (other settings, none valid), with a one-line reason; 2 an
+invalid configuration, every problem on its own line, before Ray or Flower starts; 75 stopped by
+SIGTERM/SIGINT (with checkpoint.dir set, run the same command again to resume). ``HYDRA_FULL_ERROR=1``
 raises instead of exiting 1 or 2, with the traceback.
 """
 
@@ -84,6 +85,40 @@ def _field_hint(key: str) -> tuple[Any, list[str]] | None:
     return None
 
 
+def _in_parameter_table(key: str) -> bool:
+    """Whether RunConfig setting ``key`` is a parameter table (``aggregator.params``) or a key inside one."""
+    node: Any = RunConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return True
+        hints = get_type_hints(node)
+        if part not in hints:
+            return False
+        node = hints[part]
+    return not dataclasses.is_dataclass(node) and getattr(node, "__origin__", None) is dict
+
+
+def with_parameter_tables(args: Sequence[str]) -> list[str]:
+    """``args`` with overrides of parameter tables made Hydra's add-or-override (``++``).
+
+    The tables are empty in the group files, so Hydra would refuse ``aggregator.params.tau=5`` (a
+    new key) and ask for ``+``, which in turn fails for a key a group file does set. Any parameter
+    is the user's to set, either way.
+    """
+    parser = OverridesParser.create()
+    out = []
+    for arg in args:
+        if "=" in arg and not arg.startswith(("+", "~", "-")):
+            try:
+                override = parser.parse_override(arg)
+            except HydraException:
+                override = None  # a syntax error: Hydra reports it, with the position
+            if override is not None and override.package is None and _in_parameter_table(override.key_or_group):
+                arg = "++" + arg
+        out.append(arg)
+    return out
+
+
 def override_problems(args: Sequence[str]) -> list[str]:
     """Problems of command-line overrides of RunConfig settings, found before Hydra composes the config.
 
@@ -132,19 +167,31 @@ def override_problems(args: Sequence[str]) -> list[str]:
     return problems
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float:
-    from fedrobust.run_setup import validate
-    from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted, QuorumError
+def checked_run_config(cfg: DictConfig) -> RunConfig:
+    """The valid run config of a composed Hydra config; exits 2 with every problem, one line each, otherwise.
+
+    Under ``HYDRA_FULL_ERROR=1`` the :class:`ConfigError` is raised instead (with its traceback).
+    """
+    from fedrobust.run_setup import validate  # torch: imported once the overrides' types are known good
 
     try:
-        run_cfg = validate(to_run_config(cfg), local_devices=True)
+        return validate(to_run_config(cfg), local_devices=True)
     except ConfigError as err:
         if _full_error():
             raise
         _exit_invalid(err.problems)
+
+
+# An absolute path: Hydra finds it also when main() is called from an import, not only from `python -m`.
+@hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted, QuorumError
+
+    run_cfg = checked_run_config(cfg)
     # Imported once the config is known to be good: Ray and Flower take seconds to import.
     from experiments.simulate import simulate
+    from fedrobust.checkpoint import CheckpointMismatchError
+    from fedrobust.strategies.checkpointing import NoValidCheckpointError
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -152,10 +199,14 @@ def main(cfg: DictConfig) -> float:
     except Preempted as stopped:
         if stopped.checkpointed:
             print(f"{stopped}; checkpoint written, run the same command again to resume", flush=True)
-        else:
+        elif not run_cfg.checkpoint.dir:
             print(f"{stopped}; no checkpoint (checkpoint.dir is empty): the same command starts over", flush=True)
+        else:
+            print(f"{stopped}; no checkpoint (no round had completed): the same command starts over", flush=True)
         sys.exit(EXIT_PREEMPTED)
-    except QuorumError as failed:  # also NoNodesError and ClientFailureError: nothing (more) could be trained
+    # QuorumError: also NoNodesError and ClientFailureError, nothing (more) could be trained. The
+    # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies).
+    except (QuorumError, CheckpointMismatchError, NoValidCheckpointError) as failed:
         if _full_error():
             raise
         _exit_failed(failed)
@@ -169,6 +220,7 @@ def cli() -> None:
     problems = override_problems(sys.argv[1:])
     if problems and not _full_error():
         _exit_invalid(problems)
+    sys.argv[1:] = with_parameter_tables(sys.argv[1:])
     main()
 
 

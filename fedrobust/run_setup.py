@@ -7,6 +7,7 @@ instead of minutes into a run.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +42,19 @@ def _in_unit(problems: list[str], key: str, value: float) -> None:
         _problem(problems, key, value, "must be in [0, 1)")
 
 
+def _local_dir(problems: list[str], key: str, value: str, what: str) -> None:
+    """A local directory that exists or can be made: no file on its path, the nearest existing one writable."""
+    path = Path(value).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        where = "a file of that name exists" if existing == path else f"{existing} is a file"
+        _problem(problems, key, value, f"must be {what} ({where})")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        _problem(problems, key, value, f"must be {what} this process can write ({existing} is not writable)")
+
+
 def _choice(problems: list[str], key: str, value: str, valid: Sequence[str]) -> bool:
     if value in valid:
         return True
@@ -70,8 +84,8 @@ def _check_counts(cfg: RunConfig, problems: list[str]) -> None:
         _problem(problems, "clients_per_round", cfg.clients_per_round, f"must be in [1, num_clients={cfg.num_clients}]")
     elif cfg.clients_per_round < 1:
         _problem(problems, "clients_per_round", cfg.clients_per_round, "must be >= 1")
-    if cfg.output_dir and Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-        _problem(problems, "output_dir", cfg.output_dir, "must be a directory (a file of that name exists)")
+    if cfg.output_dir:
+        _local_dir(problems, "output_dir", cfg.output_dir, "a directory")
 
 
 def _check_components(cfg: RunConfig, problems: list[str]) -> None:
@@ -270,8 +284,8 @@ def _check_checkpoint_basics(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "checkpoint.every_seconds", cfg.checkpoint.every_seconds, 0, " (0: no time-based saves)")
     _choice(problems, "checkpoint.resume", cfg.checkpoint.resume, RESUME_MODES)
     ckpt_dir = cfg.checkpoint.dir
-    if ckpt_dir and "://" not in ckpt_dir and Path(ckpt_dir).exists() and not Path(ckpt_dir).is_dir():
-        _problem(problems, "checkpoint.dir", ckpt_dir, "must be a directory or URL (a file of that name exists)")
+    if ckpt_dir and "://" not in ckpt_dir:
+        _local_dir(problems, "checkpoint.dir", ckpt_dir, "a directory or URL")
 
 
 def _check_resources(cfg: RunConfig, problems: list[str], local_devices: bool) -> None:

@@ -1,0 +1,375 @@
+"""Every RunConfig setting with a wrong value ends in exit code 2 and one line, before any engine starts.
+
+The settings are found by walking RunConfig's dataclasses, so a new setting fails here until it
+has a wrong value in WRONG (or a reason in NO_WRONG_VALUE). Each case runs the entry point's own
+code in this process: ``experiments.run.cli()`` with the user's overrides, down to the config
+check that decides exit 2. Hydra's composition is the one part replaced: the group choices are
+composed once and the value overrides applied to a copy, as Hydra applies them (composing takes
+~0.3 s a case). The tests at the end run the real Hydra app, and, as processes, the real command,
+and check that neither Ray nor Flower was imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import logging
+import os
+import subprocess
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any, NamedTuple, get_type_hints
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig
+
+import experiments.run as run
+from fedrobust.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = "fedrobust: invalid configuration:"
+
+
+class Wrong(NamedTuple):
+    """A wrong value as the user types it, how the problem line shows it and what it says is allowed."""
+
+    value: str
+    shown: str
+    allowed: str
+    context: tuple[str, ...] = ()  # other overrides the case needs
+
+
+# {file}: a path where a regular file exists; {missing}: a path where nothing exists.
+WRONG: dict[str, Wrong] = {
+    "num_clients": Wrong("0", "0", "must be >= 1"),
+    "num_byzantine": Wrong("-1", "-1", "must be >= 0"),
+    "clients_per_round": Wrong("25", "25", "must be in [1, num_clients=20]"),
+    "num_rounds": Wrong("0", "0", "must be >= 1"),
+    "seed": Wrong("-1", "-1", "must be >= 0"),
+    "aggregator.name": Wrong("krun", "krun", "unknown choice; valid choices: bulyan, centered_clipping"),
+    "aggregator._target_": Wrong("no_such_pkg.Rule", "no_such_pkg.Rule", "cannot import 'no_such_pkg.Rule'"),
+    "aggregator.pre": Wrong("nmm", "nmm", "unknown choice; valid choices: arc, bucketing, clipping, nnm"),
+    "aggregator.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) bogus; valid parameters:"),
+    "aggregator.pre_params": Wrong("{nnm:{k:1}}", '{"nnm": {"k": 1}}', "which aggregator.pre='' does not run"),
+    "dataset.name": Wrong("mnsit", "mnsit", "unknown choice; valid choices: cifar10, digits, mnist"),
+    "dataset._target_": Wrong("no_such_pkg.load", "no_such_pkg.load", "cannot import 'no_such_pkg.load'"),
+    "dataset.params": Wrong("{fraction:0.5}", '{"fraction": 0.5}', "dataset.name=digits takes no parameters"),
+    "partition.name": Wrong("dirichlett", "dirichlett", "unknown choice; valid choices: dirichlet, iid, pathological"),
+    "partition.alpha": Wrong("0.0", "0.0", "must be > 0"),
+    "partition.classes_per_partition": Wrong("11", "11", "must be in [1, 10] (digits has 10 classes)"),
+    "model.name": Wrong("resnt", "resnt", "unknown choice; valid choices: cnn, mlp, resnet"),
+    "model._target_": Wrong("no_such_pkg.Net", "no_such_pkg.Net", "cannot import 'no_such_pkg.Net'"),
+    "model.params": Wrong("{hidden:-1}", '{"hidden": -1}', "mlp cannot be built with them"),
+    "server_optimizer.name": Wrong("sgd", "sgd", "unknown choice; valid choices: fedadam, fedavg, fedavgm, fedyogi"),
+    "server_optimizer.lr": Wrong("0.0", "0.0", "must be > 0"),
+    "server_optimizer.momentum": Wrong("1.0", "1.0", "must be in [0, 1)"),
+    "server_optimizer.beta_1": Wrong("-0.1", "-0.1", "must be in [0, 1)"),
+    "server_optimizer.beta_2": Wrong("1.5", "1.5", "must be in [0, 1)"),
+    "server_optimizer.tau": Wrong("0.0", "0.0", "must be > 0"),
+    "client.local_epochs": Wrong("0", "0", "must be >= 1"),
+    "client.batch_size": Wrong("0", "0", "must be >= 1"),
+    "client.lr": Wrong("-0.1", "-0.1", "must be > 0"),
+    "client.momentum": Wrong("1.0", "1.0", "must be in [0, 1)"),
+    "client.weight_decay": Wrong("-1.0", "-1.0", "must be >= 0"),
+    "client.device": Wrong("gpu", "gpu", "must be auto, cpu, cuda or cuda:N"),
+    "client.amp": Wrong("fp8", "fp8", "unknown choice; valid choices: bf16, fp16, none"),
+    "validation.max_update_norm": Wrong("-1.0", "-1.0", "must be >= 0 (0: no bound)"),
+    "validation.max_num_examples": Wrong("0", "0", "must be >= 1"),
+    "validation.weight_by_num_examples": Wrong("maybe", "maybe", "must be true or false"),
+    "attack.name": Wrong("sign_flp", "sign_flp", "unknown choice; valid choices: alie,"),
+    "attack.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) 'bogus'; allowed: scale",
+                           ("attack=sign_flip",)),
+    "fault.round_timeout": Wrong("0.0", "0.0", "must be > 0"),
+    "fault.over_select": Wrong("-1", "-1", "must be >= 0"),
+    "fault.max_round_retries": Wrong("-1", "-1", "must be >= 0"),
+    "fault.wait_for_nodes": Wrong("-1.0", "-1.0", "must be >= 0"),
+    "liveness.suspect_after": Wrong("0", "0", "must be >= 1"),
+    "liveness.dead_after": Wrong("0", "0", "must be >= liveness.suspect_after (1)"),
+    "liveness.backoff_rounds": Wrong("0", "0", "must be >= 1"),
+    "liveness.max_backoff": Wrong("1", "1", "must be >= liveness.backoff_rounds (2)"),
+    "liveness.quarantine_after": Wrong("-1", "-1", "must be >= 0 (0: never quarantine)"),
+    "liveness.quarantine_rounds": Wrong("0", "0", "must be >= 1"),
+    "guard.divergence_factor": Wrong("-1.0", "-1.0", "must be > 1, or 0 to switch the loss check off"),
+    "guard.lr_decay": Wrong("0.0", "0.0", "must be in (0, 1]"),
+    "checkpoint.dir": Wrong("{file}/ckpt", "{file}/ckpt", "must be a directory or URL ({file} is a file)"),
+    "checkpoint.every_rounds": Wrong("-1", "-1", "must be an integer >= 0"),
+    "checkpoint.every_seconds": Wrong("-1.0", "-1.0", "must be >= 0 (0: no time-based saves)"),
+    "checkpoint.keep": Wrong("0", "0", "must be >= 1"),
+    "checkpoint.resume": Wrong("always", "always", "unknown choice; valid choices: auto, never"),
+    "checkpoint.force_resume": Wrong("maybe", "maybe", "must be true or false"),
+    "checkpoint.mirror": Wrong("s3://bucket/run", "s3://bucket/run", "needs checkpoint.dir"),
+    "checkpoint.full_every": Wrong("0", "0", "must be an integer >= 1"),
+    "checkpoint.mtbf": Wrong("-1.0", "-1.0", "must be >= 0 seconds"),
+    "signing.require": Wrong("maybe", "maybe", "must be true or false"),
+    "signing.trust_dir": Wrong("{missing}", "{missing}", "no such directory"),
+    "simulation.client_cpus": Wrong("0.0", "0.0", "must be > 0"),
+    "simulation.client_gpus": Wrong("-1.0", "-1.0", "must be >= 0"),
+    "output_dir": Wrong("{file}", "{file}", "must be a directory (a file of that name exists)"),
+}
+
+# Settings that no value can make wrong, with the reason. None so far: even free strings name paths.
+NO_WRONG_VALUE: dict[str, str] = {}
+
+
+def setting_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every setting of RunConfig as (dotted key, type), sections walked recursively."""
+    hints = get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            yield from setting_keys(hint, f"{prefix}{field.name}.")
+        else:
+            yield f"{prefix}{field.name}", hint
+
+
+SETTINGS = dict(setting_keys())
+
+
+class Outcome(NamedTuple):
+    code: Any
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def engine_guard(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """experiments.simulate replaced by a stub that records any start of the engine (and starts none)."""
+    started: list[Any] = []
+    stub = types.ModuleType("experiments.simulate")
+    stub.simulate = lambda *args, **kwargs: started.append(args) or []  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "experiments.simulate", stub)
+    return started
+
+
+@functools.cache
+def _composed(groups: tuple[str, ...]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(groups))
+
+
+def _compose_fast(args: list[str]) -> DictConfig:
+    """The config Hydra composes for ``args``: group choices composed (cached), values applied to a copy."""
+    parsed = OverridesParser.create().parse_overrides(args)
+    groups = tuple(o.input_line for o in parsed if o.key_or_group.isidentifier() and (ROOT / "conf" / o.key_or_group).is_dir())
+    cfg = _composed(groups).copy()
+    ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.input_line not in groups], cfg)
+    return cfg
+
+
+def _cli(args: list[str], monkeypatch: pytest.MonkeyPatch, *, real_hydra: bool = False) -> Outcome:
+    """``python -m experiments.run *args`` in this process: its exit code and output."""
+
+    def fast_main() -> None:  # what main() does up to the config check, on a fast composition
+        run.checked_run_config(_compose_fast(sys.argv[1:]))
+        pytest.fail(f"configuration accepted: {args}")
+
+    if not real_hydra:
+        monkeypatch.setattr(run, "main", fast_main)
+    monkeypatch.setattr(sys, "argv", ["experiments/run.py", *args])
+    out, err = io.StringIO(), io.StringIO()
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            run.cli()
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+        finally:  # Hydra configures logging for its job: give the next tests theirs back
+            root.setLevel(level)
+            root.handlers[:] = handlers
+    return Outcome(code, out.getvalue(), err.getvalue())
+
+
+def _assert_one_problem(outcome: Outcome, line_start: str, allowed: str) -> None:
+    assert outcome.code == 2, outcome
+    assert "Traceback" not in outcome.stderr + outcome.stdout
+    lines = outcome.stderr.splitlines()
+    assert lines[0] == HEADER, outcome.stderr
+    problems = [line.strip() for line in lines[1:]]
+    assert len(problems) == 1, outcome.stderr
+    assert problems[0].startswith(line_start), problems[0]
+    assert allowed in problems[0][len(line_start):], problems[0]
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> dict[str, str]:
+    file = tmp_path / "a-file"
+    file.write_text("")
+    return {"file": str(file), "missing": str(tmp_path / "missing")}
+
+
+def test_wrong_values_cover_exactly_the_settings() -> None:
+    assert not set(WRONG) & set(NO_WRONG_VALUE)
+    stale = sorted((set(WRONG) | set(NO_WRONG_VALUE)) - set(SETTINGS))
+    assert not stale, f"not RunConfig settings (renamed or removed?): {stale}"
+
+
+@pytest.mark.parametrize("key", list(SETTINGS))
+def test_wrong_value_of_every_setting_exits_2_with_its_line(
+    key: str, paths: dict[str, str], engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if key in NO_WRONG_VALUE:
+        pytest.skip(f"no value of {key} is wrong: {NO_WRONG_VALUE[key]}")
+    if key not in WRONG:
+        pytest.fail(f"RunConfig setting {key} has no wrong value in WRONG (nor a reason in NO_WRONG_VALUE)")
+    wrong = WRONG[key]
+    def fill(text: str) -> str:
+        for name, path in paths.items():
+            text = text.replace("{" + name + "}", path)
+        return text
+
+    outcome = _cli([*wrong.context, f"{key}={fill(wrong.value)}"], monkeypatch)
+    _assert_one_problem(outcome, f"{key}={fill(wrong.shown)}: ", fill(wrong.allowed))
+    assert not engine_guard
+
+
+def _wrong_type(hint: Any) -> tuple[str, str] | None:
+    """A value of the wrong type for a setting of type ``hint``, and what the line says; None for strings."""
+    if hint is bool:
+        return "yes", "must be true or false"
+    if hint is int or hint == int | str:
+        return "1.5", "must be an integer"
+    if hint is float:
+        return "fast", "must be a number"
+    if getattr(hint, "__origin__", None) is dict:
+        return "5", "must be a table of parameters"
+    return None  # a string: Hydra makes one of any value
+
+
+@pytest.mark.parametrize("key", [key for key, hint in SETTINGS.items() if _wrong_type(hint)])
+def test_wrong_type_of_every_setting_exits_2_before_hydra(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    value, allowed = _wrong_type(SETTINGS[key])  # type: ignore[misc]
+
+    def composed() -> None:
+        pytest.fail("Hydra was started")
+
+    monkeypatch.setattr(run, "main", composed)
+    _assert_one_problem(_cli([f"{key}={value}"], monkeypatch), f"{key}={value}: ", allowed)
+
+
+def test_every_problem_is_listed_not_only_the_first(engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    outcome = _cli(["client.lr=-0.1", "client.device=gpu", "guard.divergence_factor=0.5"], monkeypatch)
+    assert outcome.code == 2
+    problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
+    assert [p.split("=")[0] for p in problems] == ["client.lr", "client.device", "guard.divergence_factor"]
+    assert not engine_guard
+
+
+def test_parameter_tables_take_a_new_key_without_plus(engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aggregator.params.tau=-1`` is Hydra's ``++``: the rule's own check answers, not Hydra's struct error."""
+    outcome = _cli(["aggregator=centered_clipping", "aggregator.params.tau=-1"], monkeypatch, real_hydra=True)
+    _assert_one_problem(outcome, 'aggregator.params={"tau": -1}: ', "tau must be a finite number > 0")
+    assert not engine_guard
+
+
+def test_real_hydra_app_exits_2_without_starting_the_engine(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)
+    _assert_one_problem(outcome, "client.lr=-0.1: ", "must be > 0")
+    assert not engine_guard
+
+
+def test_full_error_raises_with_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(run.ConfigError, match=r"client\.lr=-0\.1: must be > 0"):
+        run.checked_run_config(_compose_fast(["client.lr=-0.1"]))
+
+
+# The real command as a process: exit 2, and the engine's packages never imported.
+_WRAPPER = """
+import atexit, runpy, sys
+atexit.register(lambda: print("imported:", sorted({m.split(".")[0] for m in sys.modules} & {"ray", "flwr", "torch"}),
+                              file=sys.stderr))
+sys.argv = ["experiments/run.py", *sys.argv[1:]]
+runpy.run_module("experiments.run", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("override", "line", "imported"),
+    [
+        ("client.lr=fast", "client.lr=fast: must be a number", "[]"),  # a type: caught before Hydra and torch
+        ("client.lr=-0.1", "client.lr=-0.1: must be > 0", "['torch']"),  # a range: after composing, no engine
+    ],
+)
+def test_command_exits_2_and_never_imports_ray_or_flower(
+    override: str, line: str, imported: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRAPPER, override, f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [HEADER, f"  {line}", f"imported: {imported}"]
+    assert proc.stdout == ""
+
+
+def test_report_without_docs_writes_next_to_the_results_not_the_shipped_docs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m experiments.report --results DIR`` must not overwrite docs/results.md."""
+    import experiments.report as report
+
+    written: list[Path] = []
+    monkeypatch.setattr(report, "write_report", lambda results, docs, **kwargs: written.append(docs) or docs)
+    with redirect_stdout(io.StringIO()):
+        report.main(["--results", str(tmp_path)])
+        report.main(["--results", str(tmp_path), "--docs", "docs"])
+    assert written == [tmp_path / "report", Path("docs")]
+
+
+def _raising_engine(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    def simulate(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    stub = types.ModuleType("experiments.simulate")
+    stub.simulate = simulate  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "experiments.simulate", stub)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "fedrobust.checkpoint.CheckpointMismatchError: checkpoint ck/round-000003 (round 3) was saved with other "
+        "settings: run.client.lr: 0.3 -> 0.2.",
+        "fedrobust.strategies.checkpointing.NoValidCheckpointError: no checkpoint in ck verifies (rounds [1, 2])",
+    ],
+)
+def test_refused_resume_exits_1_with_one_line(error: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib
+
+    where, message = error.split(": ", 1)
+    module, _, name = where.rpartition(".")
+    _raising_engine(monkeypatch, getattr(importlib.import_module(module), name)(message))
+    outcome = _cli([f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)
+    assert outcome.code == 1
+    assert outcome.stderr == f"fedrobust: run failed: {message}\n"
+
+
+@pytest.mark.parametrize(
+    ("ckpt_dir", "says"),
+    [("", "no checkpoint (checkpoint.dir is empty)"), ("ck", "no checkpoint (no round had completed)")],
+)
+def test_stop_before_any_checkpoint_says_so(
+    ckpt_dir: str, says: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted
+
+    _raising_engine(monkeypatch, Preempted("stopped while waiting for nodes", checkpointed=False))
+    outcome = _cli([f"checkpoint.dir={tmp_path / ckpt_dir if ckpt_dir else ''}", f"hydra.run.dir={tmp_path}"],
+                   monkeypatch, real_hydra=True)
+    assert outcome.code == EXIT_PREEMPTED
+    assert f"stopped while waiting for nodes; {says}: the same command starts over" in outcome.stdout
+    assert "resume" not in outcome.stdout
