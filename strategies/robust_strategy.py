@@ -31,7 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedrobust import aggregators, protocol
+from fedrobust import aggregators, memory, protocol
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, LivenessConfig
 from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
@@ -192,6 +192,10 @@ class RobustStrategy(Strategy):
         Append one JSON row per round here.
     progress : bool
         Print one line per round and a final summary.
+    return_freed_memory : bool
+        Fix the C library's mmap threshold (glibc, process-wide) when the first round is sent,
+        so that each reply's buffers leave the process as soon as its row is written; without it a
+        round peaks at the replies plus the update matrix (see ``fedrobust.memory``).
     update_hook : callable, optional
         Rewrites accepted update rows before aggregation (simulation adversaries); see ``UpdateHook``.
     settings : mapping, optional
@@ -243,6 +247,7 @@ class RobustStrategy(Strategy):
         discover_partitions: bool = False,
         metrics_path: str | os.PathLike[str] | None = None,
         progress: bool = True,
+        return_freed_memory: bool = True,
         update_hook: UpdateHook | None = None,
         settings: Mapping[str, Any] | None = None,
     ) -> None:
@@ -341,6 +346,7 @@ class RobustStrategy(Strategy):
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.progress = progress
         self.update_hook = update_hook
+        self.return_freed_memory = return_freed_memory
         self.settings = {**self._own_settings(), **dict(settings or {})}
 
         # node id -> partition id (discover_partitions); filled by the round loop's discovery.
@@ -429,6 +435,8 @@ class RobustStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid, *, attempt: int = 0
     ) -> list[Message]:
         """:meth:`configure_train` for one attempt of a round (a retried round samples anew)."""
+        if self.return_freed_memory:  # before the replies arrive: their buffers are allocated under it
+            memory.return_large_frees_to_os()
         self._remember_global(server_round, arrays)
         self.run_id = grid.run.run_id
         if self.fraction_train == 0.0:
