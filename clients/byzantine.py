@@ -24,7 +24,6 @@ from fedrobust import attacks, components, protocol
 from fedrobust.config import RunConfig
 from fedrobust.run_setup import byzantine_partitions
 
-
 ATTACK_STATE = "attack-state"
 
 

@@ -66,14 +66,13 @@ if "--child" in sys.argv:
         os.environ.setdefault(_var, os.environ.get("BENCH_THREADS", "1"))
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict  # noqa: E402
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from fedrobust import aggregators  # noqa: E402
-from fedrobust.update_matrix import UpdateMatrix  # noqa: E402
-from fedrobust.validation import check_num_examples  # noqa: E402
-from strategies.reply_arrays import array_views  # noqa: E402
+from fedrobust import aggregators
+from fedrobust.update_matrix import UpdateMatrix
+from fedrobust.validation import check_num_examples
+from strategies.reply_arrays import array_views
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import colors  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib import colors
 
-from experiments.study import ATTACKS, OK, PARTITIONS, QUORUM, RULES, load_results  # noqa: E402
+from experiments.study import ATTACKS, OK, PARTITIONS, QUORUM, RULES, load_results
 
 CLEAN_RULE, CLEAN_ATTACK = "mean", "none"
 # Accuracy-point gaps allowed between the best robust configuration and clean FedAvg.
@@ -154,7 +154,7 @@ def plot_curves(cells: dict, partition: str, rules: list[str], attacks: list[str
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 3.6 * nrows + 0.9), squeeze=False, sharey=True)
     styles = _rule_style(rules)
     lowest = 1.0
-    for ax, attack in zip(axes.flat, attacks):
+    for ax, attack in zip(axes.flat, attacks, strict=False):
         for rule in rules:
             cell = cells.get((partition, rule, attack))
             if cell is None or not cell.ok:

@@ -28,15 +28,15 @@ from typing import Any, NoReturn, get_type_hints
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
-import hydra  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
-from hydra.errors import HydraException  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
 
 # Only the config module here (no torch): a mistyped override fails in well under a second.
-from fedrobust.config import ConfigError, RunConfig, coerce, format_value, from_nested  # noqa: E402
+from fedrobust.config import ConfigError, RunConfig, coerce, format_value, from_nested
 
 log = logging.getLogger(__name__)
 

@@ -231,7 +231,7 @@ def run_one(spec: RunSpec, cfg: RunConfig, overrides: list[str], out: Path) -> d
             run_inprocess(cfg, run_dir)
         except QuorumError as err:
             status, error = QUORUM, str(err)
-        except Exception as err:  # noqa: BLE001 - recorded in the result, the sweep goes on
+        except Exception as err:
             status, error = ERROR, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
         metrics = run_dir / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

@@ -45,7 +45,22 @@ _EXPORTS = {
     "RunConfig": "fedrobust.config",
 }
 
-__all__ = sorted([*_EXPORTS, "aggregators", "attacks"])
+__all__ = [
+    "CheckpointStore",
+    "ClientFailureError",
+    "EXIT_PREEMPTED",
+    "NoNodesError",
+    "Preempted",
+    "QuorumError",
+    "RobustStrategy",
+    "RoundOutcome",
+    "RunConfig",
+    "TrustStore",
+    "aggregators",
+    "attacks",
+    "signing_mod",
+    "strategy_from_config",
+]
 
 if TYPE_CHECKING:
     from fedrobust import aggregators, attacks

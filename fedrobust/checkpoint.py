@@ -1132,7 +1132,7 @@ class MirroredStore:
             try:
                 self.remote._commit_files(item.round, item.files)
                 error: Exception | None = None
-            except Exception as exc:  # noqa: BLE001 - any failure of the mirror is retried, never raised
+            except Exception as exc:
                 error = exc
             with self._cond:
                 self._busy = False
@@ -1171,7 +1171,7 @@ class MirroredStore:
     def _remote_rounds(self) -> list[int]:
         try:
             return self.remote.rounds()
-        except Exception as exc:  # noqa: BLE001 - botocore's connection errors are no OSError
+        except Exception as exc:
             logger.warning("cannot list the mirror %s: %s", self.remote.url, exc)
             return []
 
@@ -1184,14 +1184,14 @@ class MirroredStore:
         for preference, store in ((1, self.local), (0, self.remote)):
             try:
                 listed = store._list_round_dirs()
-            except Exception as exc:  # noqa: BLE001 - botocore's connection errors are no OSError
+            except Exception as exc:
                 logger.warning("cannot list %s: %s", store.url, exc)
                 continue
             candidates += [(round_, preference, store, name) for round_, name in listed]
         for round_, _, store, name in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
             try:
                 checkpoint = store._try_load(round_, name)
-            except Exception as exc:  # noqa: BLE001 - an unreachable mirror is a skipped candidate
+            except Exception as exc:
                 logger.warning("cannot load %s from %s: %s", name, store.url, exc)
                 continue
             if checkpoint is not None:

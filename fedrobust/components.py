@@ -108,7 +108,7 @@ def import_target(path: str) -> Any:
                 raise ValueError(f"importing {module_name!r} for {path!r} failed: {err}") from err
             missing = missing or err
             continue
-        except Exception as err:  # noqa: BLE001 - any error while importing the user's module is reported
+        except Exception as err:
             raise ValueError(f"importing {module_name!r} for {path!r} failed: {type(err).__name__}: {err}") from err
         obj: Any = module
         where = module_name
@@ -201,13 +201,17 @@ def _as_tensors(split: Any, what: str) -> TensorDataset:
             items = [split[i] for i in range(len(split))]  # type: ignore[arg-type]
             x = torch.stack([torch.as_tensor(item[0]) for item in items])
             y = torch.as_tensor([int(item[1]) for item in items])
-        except Exception as err:  # noqa: BLE001 - any shape of user data that is not (x, y) pairs
-            raise ValueError(f"the {what} set's items are not (x, y) pairs of tensors and integer labels: {err}") from err
+        except Exception as err:
+            raise ValueError(
+                f"the {what} set's items are not (x, y) pairs of tensors and integer labels: {err}"
+            ) from err
     else:
         raise ValueError(f"the {what} set is a {type(split).__name__}; expected {DATASET_PROTOCOL}")
     if len(x) == 0 or len(x) != len(y) or y.dim() != 1:
-        raise ValueError(f"the {what} set has x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)}; "
-                         "expected x [n, ...] and y [n] with n >= 1")
+        raise ValueError(
+            f"the {what} set has x of shape {tuple(x.shape)} and y of shape {tuple(y.shape)}; "
+            "expected x [n, ...] and y [n] with n >= 1"
+        )
     if y.is_floating_point() and not bool((y == y.round()).all()):
         raise ValueError(f"the {what} set's labels are not integers")
     y = y.long()
@@ -234,8 +238,14 @@ def _load_user(path: str, params_json: str, seed: int) -> UserData:
         )
     num_classes = int(max(train.tensors[1].max(), test.tensors[1].max())) + 1
     spec = data.DatasetSpec(input_shape=tuple(int(s) for s in train.tensors[0].shape[1:]), num_classes=num_classes)
-    logger.info("loaded data set %s: %d training and %d test samples, input %s, %d classes",
-                path, len(train), len(test), spec.input_shape, num_classes)
+    logger.info(
+        "loaded data set %s: %d training and %d test samples, input %s, %d classes",
+        path,
+        len(train),
+        len(test),
+        spec.input_shape,
+        num_classes,
+    )
     return UserData(train, test, spec)
 
 
@@ -261,13 +271,23 @@ def load_partition(cfg: RunConfig, partition_id: int, num_partitions: int) -> Te
     p = cfg.partition
     if not cfg.dataset._target_:
         return data.load_partition(
-            cfg.dataset.name, partition_id, num_partitions, partitioner=p.name, alpha=p.alpha,
-            classes_per_partition=p.classes_per_partition, seed=cfg.seed,
+            cfg.dataset.name,
+            partition_id,
+            num_partitions,
+            partitioner=p.name,
+            alpha=p.alpha,
+            classes_per_partition=p.classes_per_partition,
+            seed=cfg.seed,
         )
     x, y = user_data(cfg).train.tensors
     index = data.partition_indices(
-        y.numpy(), partition_id, num_partitions, partitioner=p.name, alpha=p.alpha,
-        classes_per_partition=p.classes_per_partition, seed=cfg.seed,
+        y.numpy(),
+        partition_id,
+        num_partitions,
+        partitioner=p.name,
+        alpha=p.alpha,
+        classes_per_partition=p.classes_per_partition,
+        seed=cfg.seed,
     )
     chosen = torch.from_numpy(index)
     return TensorDataset(x.index_select(0, chosen), y.index_select(0, chosen))
@@ -291,8 +311,9 @@ def load_local(path: str, cfg: RunConfig) -> TensorDataset:
 def build_model(model: ModelConfig, spec: data.DatasetSpec) -> nn.Module:
     """A freshly initialised model (weights from PyTorch's global RNG: seed it first)."""
     if not model._target_:
-        return models.build_model(model.name, input_shape=spec.input_shape, num_classes=spec.num_classes,
-                                  **model.params)
+        return models.build_model(
+            model.name, input_shape=spec.input_shape, num_classes=spec.num_classes, **model.params
+        )
     factory = _resolve(model._target_, MODEL_PROTOCOL)
     kwargs = dict(model.params)
     for name, value in (("input_shape", tuple(spec.input_shape)), ("num_classes", spec.num_classes)):
@@ -312,15 +333,18 @@ def check_model(net: nn.Module, spec: data.DatasetSpec) -> None:
     try:
         with torch.no_grad():
             out = net(batch)
-    except Exception as err:  # noqa: BLE001 - whatever the user's forward raises
-        raise ValueError(f"its forward pass on a batch of shape {list(batch.shape)} failed: "
-                         f"{type(err).__name__}: {err}") from err
+    except Exception as err:
+        raise ValueError(
+            f"its forward pass on a batch of shape {list(batch.shape)} failed: {type(err).__name__}: {err}"
+        ) from err
     finally:
         net.train(was_training)
     if not isinstance(out, Tensor) or tuple(out.shape) != (2, spec.num_classes):
         shape = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
-        raise ValueError(f"maps a batch of shape {list(batch.shape)} to {shape}; expected logits "
-                         f"[2, {spec.num_classes}] ({spec.num_classes} classes in the data set)")
+        raise ValueError(
+            f"maps a batch of shape {list(batch.shape)} to {shape}; expected logits "
+            f"[2, {spec.num_classes}] ({spec.num_classes} classes in the data set)"
+        )
 
 
 # ------------------------------------------------------------------------------------ rules
@@ -349,8 +373,10 @@ class UserRule(Rule):
         out = self.impl(dense)
         if not isinstance(out, Tensor) or tuple(out.shape) != (rows.d,) or not out.is_floating_point():
             got = f"shape {tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(f"{self.name}: returned {got} for [{rows.m}, {rows.d}] updates; a rule must return a "
-                             f"floating-point [d] tensor ([{rows.d}])")
+            raise ValueError(
+                f"{self.name}: returned {got} for [{rows.m}, {rows.d}] updates; a rule must return a "
+                f"floating-point [d] tensor ([{rows.d}])"
+            )
         return out.to(device=dense.device, dtype=rows.dtype)
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -401,8 +427,9 @@ def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any
     if isinstance(impl, Rule):
         return impl
     if not callable(impl):
-        raise ValueError(f"{describe(factory)} returned a {type(impl).__name__}, which is not callable; "
-                         f"expected {RULE_PROTOCOL}")
+        raise ValueError(
+            f"{describe(factory)} returned a {type(impl).__name__}, which is not callable; expected {RULE_PROTOCOL}"
+        )
     return UserRule(impl, f, label)
 
 
@@ -425,9 +452,12 @@ def check_rule(aggregator: Aggregator, *, d: int = 5) -> None:
         out = aggregator(updates)
     except ValueError as err:
         raise ValueError(f"{where}: contract check on random [{n}, {d}] updates failed: {err}") from None
-    except Exception as err:  # noqa: BLE001 - a user rule may raise anything
-        raise ValueError(f"{where}: contract check on random [{n}, {d}] updates raised "
-                         f"{type(err).__name__}: {err}") from None
+    except Exception as err:
+        raise ValueError(
+            f"{where}: contract check on random [{n}, {d}] updates raised {type(err).__name__}: {err}"
+        ) from None
     if tuple(out.shape) != (d,) or not bool(torch.isfinite(out).all()):
-        raise ValueError(f"{where}: contract check: returned shape {tuple(out.shape)} for [{n}, {d}] updates; "
-                         f"expected a finite [{d}] tensor")
+        raise ValueError(
+            f"{where}: contract check: returned shape {tuple(out.shape)} for [{n}, {d}] updates; "
+            f"expected a finite [{d}] tensor"
+        )

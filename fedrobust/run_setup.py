@@ -17,8 +17,15 @@ import numpy as np
 import torch
 
 from fedrobust import aggregators, attacks, components, data, models
-from fedrobust.config import AMP_MODES, CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, CheckpointConfig, RunConfig
-from fedrobust.config import ConfigError, format_value
+from fedrobust.config import (
+    AMP_MODES,
+    CHECKPOINT_INTERVAL_AUTO,
+    RESUME_MODES,
+    CheckpointConfig,
+    ConfigError,
+    RunConfig,
+    format_value,
+)
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import ServerOptimizer
 
@@ -94,7 +101,7 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     rule_key, rule_label = ("aggregator._target_", target) if target else ("aggregator.name", cfg.aggregator.name)
     rule_ok = bool(target) or _choice(problems, "aggregator.name", cfg.aggregator.name, aggregators.names())
     pre_ok = all(
-        [_choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in cfg.pre_aggregators()]
+        _choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in cfg.pre_aggregators()
     )
     stray = sorted(set(cfg.aggregator.pre_params) - set(cfg.pre_aggregators()))
     if stray:
@@ -153,7 +160,7 @@ def _check_dataset(cfg: RunConfig, problems: list[str]) -> data.DatasetSpec | No
         return None
     try:
         return components.dataset_spec(cfg)  # loads it (once per process): the server evaluates on it anyway
-    except Exception as err:  # noqa: BLE001 - a user's loader may raise anything; report it as a config problem
+    except Exception as err:
         _problem(problems, "dataset._target_", target, " ".join(str(err).split()) or type(err).__name__)
         return None
 
@@ -171,14 +178,18 @@ def _check_model(cfg: RunConfig, spec: data.DatasetSpec | None, problems: list[s
             net = components.build_model(cfg.model, spec)
             if target:
                 components.check_model(net, spec)
-    except Exception as err:  # noqa: BLE001 - a user's factory or forward may raise anything
+    except Exception as err:
         message = " ".join(str(err).split()) or type(err).__name__
         if target:
-            _problem(problems, "model._target_", target, f"{message} (dataset: {components.dataset_label(cfg.dataset)})")
+            _problem(
+                problems, "model._target_", target, f"{message} (dataset: {components.dataset_label(cfg.dataset)})"
+            )
         elif cfg.model.params and "no option" in message:
             _problem(problems, "model.params", cfg.model.params, message)
         elif cfg.model.params and _builds_plain(cfg.model.name, spec):  # the values of the options are at fault
-            _problem(problems, "model.params", cfg.model.params, f"{cfg.model.name} cannot be built with them: {message}")
+            _problem(
+                problems, "model.params", cfg.model.params, f"{cfg.model.name} cannot be built with them: {message}"
+            )
         else:  # the model cannot take the data set's inputs (e.g. a CNN on flat digits)
             _problem(problems, "model.name", cfg.model.name, f"{message} (dataset.name={cfg.dataset.name})")
 
@@ -199,7 +210,7 @@ def _check_partition(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.dataset._target_:
         try:
             spec = components.dataset_spec(cfg)  # cached: a failing loader is reported by _check_dataset
-        except Exception:  # noqa: BLE001
+        except Exception:
             spec = None
     elif cfg.dataset.name in data.DATASETS:
         spec = data.dataset_spec(cfg.dataset.name)
@@ -207,8 +218,12 @@ def _check_partition(cfg: RunConfig, problems: list[str]) -> None:
         num_classes = spec.num_classes
         if not 1 <= cfg.partition.classes_per_partition <= num_classes:
             name = components.dataset_label(cfg.dataset)
-            _problem(problems, "partition.classes_per_partition", cfg.partition.classes_per_partition,
-                     f"must be in [1, {num_classes}] ({name} has {num_classes} classes)")
+            _problem(
+                problems,
+                "partition.classes_per_partition",
+                cfg.partition.classes_per_partition,
+                f"must be in [1, {num_classes}] ({name} has {num_classes} classes)",
+            )
 
 
 def _check_server_optimizer(cfg: RunConfig, problems: list[str]) -> None:
@@ -221,8 +236,9 @@ def _check_server_optimizer(cfg: RunConfig, problems: list[str]) -> None:
     if len(problems) == before and opt.name in SERVER_OPTIMIZERS:
         # Whatever else the optimizer itself refuses.
         try:
-            ServerOptimizer(name=opt.name, lr=opt.lr, momentum=opt.momentum, beta_1=opt.beta_1,
-                            beta_2=opt.beta_2, tau=opt.tau)
+            ServerOptimizer(
+                name=opt.name, lr=opt.lr, momentum=opt.momentum, beta_1=opt.beta_1, beta_2=opt.beta_2, tau=opt.tau
+            )
         except ValueError as err:
             _problem(problems, "server_optimizer", opt.name, str(err))
 
@@ -241,15 +257,25 @@ def _check_client(cfg: RunConfig, problems: list[str], local_devices: bool) -> N
     elif cuda and local_devices and not torch.cuda.is_available():
         _problem(problems, "client.device", client.device, "no CUDA device here; use auto or cpu")
     elif cuda and local_devices and ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
-        _problem(problems, "client.device", client.device,
-                 f"only {torch.cuda.device_count()} CUDA device(s) here (cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+        _problem(
+            problems,
+            "client.device",
+            client.device,
+            f"only {torch.cuda.device_count()} CUDA device(s) here (cuda:0 .. cuda:{torch.cuda.device_count() - 1})",
+        )
     if _choice(problems, "client.amp", client.amp, AMP_MODES) and client.amp == "fp16":
         # float16 training needs CUDA's GradScaler (fedrobust.training refuses it elsewhere).
         if device == "cpu":
-            _problem(problems, "client.amp", client.amp, "fp16 needs a CUDA device but client.device=cpu; use bf16 or none")
+            _problem(
+                problems, "client.amp", client.amp, "fp16 needs a CUDA device but client.device=cpu; use bf16 or none"
+            )
         elif device == "auto" and local_devices and not torch.cuda.is_available():
-            _problem(problems, "client.amp", client.amp,
-                     "fp16 needs a CUDA device and client.device=auto is the CPU here (no CUDA); use bf16 or none")
+            _problem(
+                problems,
+                "client.amp",
+                client.amp,
+                "fp16 needs a CUDA device and client.device=auto is the CPU here (no CUDA); use bf16 or none",
+            )
 
 
 def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
@@ -263,12 +289,20 @@ def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
     live = cfg.liveness
     _at_least(problems, "liveness.suspect_after", live.suspect_after, 1)
     if live.suspect_after >= 1 and live.dead_after < live.suspect_after:
-        _problem(problems, "liveness.dead_after", live.dead_after,
-                 f"must be >= liveness.suspect_after ({live.suspect_after})")
+        _problem(
+            problems,
+            "liveness.dead_after",
+            live.dead_after,
+            f"must be >= liveness.suspect_after ({live.suspect_after})",
+        )
     _at_least(problems, "liveness.backoff_rounds", live.backoff_rounds, 1)
     if live.backoff_rounds >= 1 and live.max_backoff < live.backoff_rounds:
-        _problem(problems, "liveness.max_backoff", live.max_backoff,
-                 f"must be >= liveness.backoff_rounds ({live.backoff_rounds})")
+        _problem(
+            problems,
+            "liveness.max_backoff",
+            live.max_backoff,
+            f"must be >= liveness.backoff_rounds ({live.backoff_rounds})",
+        )
     _at_least(problems, "liveness.quarantine_after", live.quarantine_after, 0, " (0: never quarantine)")
     _at_least(problems, "liveness.quarantine_rounds", live.quarantine_rounds, 1)
     factor = cfg.guard.divergence_factor
@@ -291,7 +325,9 @@ def _check_checkpoint_basics(cfg: RunConfig, problems: list[str]) -> None:
 def _check_resources(cfg: RunConfig, problems: list[str], local_devices: bool) -> None:
     trust_dir = cfg.signing.trust_dir
     if trust_dir and not Path(trust_dir).is_dir():
-        _problem(problems, "signing.trust_dir", trust_dir, "no such directory (the trust store made by fedrobust.keygen)")
+        _problem(
+            problems, "signing.trust_dir", trust_dir, "no such directory (the trust store made by fedrobust.keygen)"
+        )
     _positive(problems, "simulation.client_cpus", cfg.simulation.client_cpus)
     _at_least(problems, "simulation.client_gpus", cfg.simulation.client_gpus, 0)
     if cfg.simulation.client_gpus > 0 and local_devices and not torch.cuda.is_available():

@@ -187,7 +187,7 @@ class ServerOptimizer:
             return None
         flat = torch.zeros(dim, dtype=torch.float32, device=like.device)
         start = 0
-        for name, (_, shape) in zip(names, layout):
+        for name, (_, shape) in zip(names, layout, strict=True):
             stop = start + _numel(shape)
             if name in self.buffers:
                 flat[start:stop] = self.buffers[name].reshape(-1)

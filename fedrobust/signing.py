@@ -129,7 +129,7 @@ _NUMPY_KINDS: Final = frozenset("biufc")
 
 PathLike = str | os.PathLike[str]
 # A string forward reference: torch is only imported for type checking (see `_array_record`).
-ArrayLike: TypeAlias = Union[np.ndarray, "torch.Tensor"]  # noqa: UP007 - `|` cannot take a string
+ArrayLike: TypeAlias = Union[np.ndarray, "torch.Tensor"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def flatten(
     out = torch.empty((len(arrays), sum(sizes)), dtype=dtype, device=device)
     for row, named in enumerate(arrays):
         offset = 0
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys, sizes, strict=True):
             out[row, offset : offset + size] = named[key].reshape(-1)
             offset += size
     return out

@@ -73,7 +73,7 @@ def pick_device(requested: str = "auto") -> torch.device:
     return device
 
 
-def derive_seed(seed: int, round: int, partition_id: int) -> int:  # noqa: A002 - the name the contract uses
+def derive_seed(seed: int, round: int, partition_id: int) -> int:
     """Derive the seed of one client's work in one round.
 
     Parameters

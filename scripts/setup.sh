@@ -22,7 +22,7 @@ _fedrobust_setup() {
   local log="$FEDROBUST_VENV/install.log"
   # shellcheck disable=SC2086  # torch_spec may hold pip options such as --index-url
   if ! { "$FEDROBUST_VENV/bin/pip" install $torch_spec \
-         && "$FEDROBUST_VENV/bin/pip" install -e "$FEDROBUST_ROOT[test]"; } > "$log" 2>&1; then
+         && "$FEDROBUST_VENV/bin/pip" install -e "$FEDROBUST_ROOT[test,lint]"; } > "$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "installation failed; full log: $log" >&2
     return 1

@@ -49,7 +49,7 @@ def push_and_collect(
     """
     destinations = [m.metadata.dst_node_id for m in messages]
     ids = [str(i) for i in grid.push_messages(messages)]
-    sent = {mid: node for mid, node in zip(ids, destinations) if mid}
+    sent = {mid: node for mid, node in zip(ids, destinations, strict=True) if mid}
     pending = set(sent)
     replies: list[Message] = []
     deadline = time.monotonic() + timeout

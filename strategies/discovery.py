@@ -39,11 +39,13 @@ class Discovery:
             unknown = [n for n in sorted(self.grid.get_node_ids()) if n not in self.answered and n not in asked]
             if unknown:
                 queries = [
-                    Message(RecordDict({protocol.CONFIG: ConfigRecord({})}), message_type=MessageType.QUERY, dst_node_id=n)
+                    Message(
+                        RecordDict({protocol.CONFIG: ConfigRecord({})}), message_type=MessageType.QUERY, dst_node_id=n
+                    )
                     for n in unknown
                 ]
                 ids = [str(i) for i in self.grid.push_messages(queries)]
-                self.pending.update({mid: n for mid, n in zip(ids, unknown) if mid})
+                self.pending.update({mid: n for mid, n in zip(ids, unknown, strict=True) if mid})
             if self.pending:
                 for reply in self.grid.pull_messages(list(self.pending)):
                     node = self.pending.pop(reply.metadata.reply_to_message_id, None)

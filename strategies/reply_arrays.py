@@ -90,10 +90,7 @@ def array_view(array: Array) -> np.ndarray:
         raise ValueError(
             f"payload of {len(data) - offset} bytes, shape {tuple(shape)} of {dtype} needs {expected} (truncated data?)"
         )
-    if count == 0:
-        flat = np.empty(0, dtype=dtype)
-    else:
-        flat = np.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    flat = np.empty(0, dtype=dtype) if count == 0 else np.frombuffer(data, dtype=dtype, count=count, offset=offset)
     # Fortran-ordered data is the transpose of a C-ordered array of the reversed shape.
     view = flat.reshape(shape[::-1]).T if fortran_order else flat.reshape(shape)
     view.flags.writeable = False  # also for bytearray data: nobody writes into a reply

@@ -193,7 +193,7 @@ def _spawn(name: str, args: Sequence[str], log_dir: Path, env: Mapping[str, str]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with log_path.open("ab") as log_file:
-        popen = subprocess.Popen(  # noqa: S603 - fixed executables, test-controlled arguments
+        popen = subprocess.Popen(
             list(args),
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -217,7 +217,7 @@ def wait_for_http(proc: Proc, url: str, *, timeout: float = 60.0, cafile: Path |
                 f"{proc.tail()}"
             )
         try:
-            with urllib.request.urlopen(url, timeout=1.0, context=context) as response:  # noqa: S310
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError) as err:

@@ -25,7 +25,7 @@ from fedrobust.checkpoint import (
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from experiments.local_s3 import LocalS3, local_s3  # noqa: E402
+from experiments.local_s3 import LocalS3, local_s3
 
 
 @pytest.fixture(scope="module")
@@ -232,11 +232,10 @@ def test_mirror_upload_failures_are_logged_and_retried(
         str(tmp_path / "local"), s3_url, storage_options=s3.storage_options, initial_backoff=0.01, max_backoff=0.05
     )
     _Gate(store.remote, fail_first=3)
-    with caplog.at_level(logging.WARNING, logger="fedrobust.checkpoint"):
-        with store:
-            future = store.save_async(7, _tensors(7), {"round": 7})
-            assert future.result(timeout=30).endswith("round-000007")  # the caller never sees the outage
-            assert store.flush(timeout=30)
+    with caplog.at_level(logging.WARNING, logger="fedrobust.checkpoint"), store:
+        future = store.save_async(7, _tensors(7), {"round": 7})
+        assert future.result(timeout=30).endswith("round-000007")  # the caller never sees the outage
+        assert store.flush(timeout=30)
     assert store.upload_failures == 3
     retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retries) == 3 and all("simulated network outage" in m for m in retries)

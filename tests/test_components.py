@@ -126,20 +126,34 @@ def test_library_api_takes_a_dotted_path_or_a_callable(on_path: Path) -> None:
 @pytest.mark.parametrize(
     "overrides,problem",
     [
-        ({"model._target_": "fr_no_such_pkg.models.Net"},
-         r"model\._target_=fr_no_such_pkg\.models\.Net: cannot import .*No module named 'fr_no_such_pkg'"),
-        ({"model._target_": f"{MODULE}.Nett"}, rf"model\._target_={MODULE}\.Nett: .*'{MODULE}' has no attribute 'Nett'"),
-        ({"model.params": {"hiddn": 8}},
-         r"model\._target_=.*Net\(input_shape, num_classes, hidden=32\) cannot be called with .*hiddn"),
+        (
+            {"model._target_": "fr_no_such_pkg.models.Net"},
+            r"model\._target_=fr_no_such_pkg\.models\.Net: cannot import .*No module named 'fr_no_such_pkg'",
+        ),
+        (
+            {"model._target_": f"{MODULE}.Nett"},
+            rf"model\._target_={MODULE}\.Nett: .*'{MODULE}' has no attribute 'Nett'",
+        ),
+        (
+            {"model.params": {"hiddn": 8}},
+            r"model\._target_=.*Net\(input_shape, num_classes, hidden=32\) cannot be called with .*hiddn",
+        ),
         ({"model._target_": f"{MODULE}.WrongLogits"}, r"model\._target_=.*WrongLogits: .*expected logits \[2, 10\]"),
         ({"dataset._target_": f"{MODULE}.only_train"}, r"dataset\._target_=.*only_train: .*expected \(train, test\)"),
-        ({"dataset._target_": f"{MODULE}.load", "dataset.params": {"fraction": 0.5}},
-         r"dataset\._target_=.*load: load\(seed=0, test_fraction=0\.2\) cannot be called with .*fraction"),
-        ({"aggregator._target_": f"{MODULE}.WrongShape"},
-         r"aggregator\._target_=.*WrongShape: .*contract check.*returned shape \(2, 5\).*must return a floating-point \[d\]"),
+        (
+            {"dataset._target_": f"{MODULE}.load", "dataset.params": {"fraction": 0.5}},
+            r"dataset\._target_=.*load: load\(seed=0, test_fraction=0\.2\) cannot be called with .*fraction",
+        ),
+        (
+            {"aggregator._target_": f"{MODULE}.WrongShape"},
+            r"aggregator\._target_=.*WrongShape: .*contract check.*returned shape \(2, 5\)"
+            r".*must return a floating-point \[d\]",
+        ),
         ({"aggregator._target_": f"{MODULE}.Raises"}, r"aggregator\._target_=.*Raises: .*raised RuntimeError: boom"),
-        ({"aggregator.params": {"tau": 1.0}},
-         r"aggregator\._target_=.*CoordinateMedian: CoordinateMedian\(f=0\) cannot be called with .*tau"),
+        (
+            {"aggregator.params": {"tau": 1.0}},
+            r"aggregator\._target_=.*CoordinateMedian: CoordinateMedian\(f=0\) cannot be called with .*tau",
+        ),
         ({"aggregator._target_": "torch.nn"}, r"aggregator\._target_=torch\.nn: .*not callable"),
     ],
 )
@@ -220,24 +234,36 @@ def test_user_components_train_in_a_hydra_experiment(on_path: Path, tmp_path: Pa
     from experiments.inprocess import run_inprocess
     from tests.test_config import _compose
 
-    cfg = validate(_compose(
-        "num_clients=5", "clients_per_round=5", "num_rounds=3", "num_byzantine=1", "attack=sign_flip",
-        f"model._target_={MODULE}.Net", f"dataset._target_={MODULE}.load",
-        f"aggregator._target_={MODULE}.CoordinateMedian", "+model.params.hidden=32",
-        f"output_dir={tmp_path / 'out'}",
-    ))
+    cfg = validate(
+        _compose(
+            "num_clients=5",
+            "clients_per_round=5",
+            "num_rounds=3",
+            "num_byzantine=1",
+            "attack=sign_flip",
+            f"model._target_={MODULE}.Net",
+            f"dataset._target_={MODULE}.load",
+            f"aggregator._target_={MODULE}.CoordinateMedian",
+            "+model.params.hidden=32",
+            f"output_dir={tmp_path / 'out'}",
+        )
+    )
     assert cfg.model.params == {"hidden": 32}
     rows = run_inprocess(cfg, tmp_path / "out")
     assert len(rows) == 3 and rows[-1]["accuracy"] > 0.5, rows  # chance: 0.1; 0.71 with this seed
     assert json.loads((tmp_path / "out" / "resolved_config.json").read_text())["aggregator"]["_target_"].endswith(
-        "CoordinateMedian")
+        "CoordinateMedian"
+    )
 
 
 @pytest.mark.slow
 def test_bad_target_exits_before_the_run_on_the_command_line(tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "experiments.run", "model._target_=fr_no_such_pkg.Net", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 2, res.stderr
     assert "model._target_=fr_no_such_pkg.Net: cannot import" in res.stderr
@@ -256,8 +282,12 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
     with FlowerProcesses(tmp_path) as fp:
         path = os.pathsep.join(p for p in (str(user_dir), os.environ.get("PYTHONPATH", "")) if p)
         link = fp.start_superlink(simulation=True, env=fp.env({"PYTHONPATH": path}))
-        write_flwr_home(tmp_path, FEDERATION, link.address,
-                        options={"num-supernodes": 5, "backend": {"client-resources": {"num-cpus": 1}}})
+        write_flwr_home(
+            tmp_path,
+            FEDERATION,
+            link.address,
+            options={"num-supernodes": 5, "backend": {"client-resources": {"num-cpus": 1}}},
+        )
         run_config = (
             f"num_rounds=3 num_clients=5 clients_per_round=5 num_byzantine=1 output_dir='{out}' "
             f"model._target_='{MODULE}.Net' dataset._target_='{MODULE}.load' "
@@ -266,7 +296,11 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
         started = time.monotonic()
         res = subprocess.run(
             [executable("flwr"), "run", ".", FEDERATION, "--stream", "--run-config", run_config],
-            cwd=REPO, env=fp.env(), capture_output=True, text=True, timeout=300,
+            cwd=REPO,
+            env=fp.env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         report = f"flwr run ({time.monotonic() - started:.0f}s):\n{res.stdout}\n{res.stderr}\n{fp.tails()}"
         assert res.returncode == 0, report

@@ -157,7 +157,9 @@ def _composed(groups: tuple[str, ...]) -> DictConfig:
 def _compose_fast(args: list[str]) -> DictConfig:
     """The config Hydra composes for ``args``: group choices composed (cached), values applied to a copy."""
     parsed = OverridesParser.create().parse_overrides(args)
-    groups = tuple(o.input_line for o in parsed if o.key_or_group.isidentifier() and (ROOT / "conf" / o.key_or_group).is_dir())
+    groups = tuple(
+        o.input_line for o in parsed if o.key_or_group.isidentifier() and (ROOT / "conf" / o.key_or_group).is_dir()
+    )
     cfg = _composed(groups).copy()
     ConfigLoaderImpl._apply_overrides_to_config([o for o in parsed if o.input_line not in groups], cfg)
     return cfg
@@ -196,7 +198,7 @@ def _assert_one_problem(outcome: Outcome, line_start: str, allowed: str) -> None
     problems = [line.strip() for line in lines[1:]]
     assert len(problems) == 1, outcome.stderr
     assert problems[0].startswith(line_start), problems[0]
-    assert allowed in problems[0][len(line_start):], problems[0]
+    assert allowed in problems[0][len(line_start) :], problems[0]
 
 
 @pytest.fixture
@@ -221,6 +223,7 @@ def test_wrong_value_of_every_setting_exits_2_with_its_line(
     if key not in WRONG:
         pytest.fail(f"RunConfig setting {key} has no wrong value in WRONG (nor a reason in NO_WRONG_VALUE)")
     wrong = WRONG[key]
+
     def fill(text: str) -> str:
         for name, path in paths.items():
             text = text.replace("{" + name + "}", path)
@@ -309,7 +312,11 @@ def test_command_exits_2_and_never_imports_ray_or_flower(
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.run(
         [sys.executable, "-c", _WRAPPER, override, f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [HEADER, f"  {line}", f"imported: {imported}"]
@@ -368,8 +375,11 @@ def test_stop_before_any_checkpoint_says_so(
     from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted
 
     _raising_engine(monkeypatch, Preempted("stopped while waiting for nodes", checkpointed=False))
-    outcome = _cli([f"checkpoint.dir={tmp_path / ckpt_dir if ckpt_dir else ''}", f"hydra.run.dir={tmp_path}"],
-                   monkeypatch, real_hydra=True)
+    outcome = _cli(
+        [f"checkpoint.dir={tmp_path / ckpt_dir if ckpt_dir else ''}", f"hydra.run.dir={tmp_path}"],
+        monkeypatch,
+        real_hydra=True,
+    )
     assert outcome.code == EXIT_PREEMPTED
     assert f"stopped while waiting for nodes; {says}: the same command starts over" in outcome.stdout
     assert "resume" not in outcome.stdout

@@ -60,7 +60,9 @@ def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
     x, y = digits(None)
     with torch.no_grad():
         out = net(x)
-        return MetricRecord({"loss": float(nn.functional.cross_entropy(out, y)), "accuracy": float((out.argmax(1) == y).float().mean())})
+        return MetricRecord(
+            {"loss": float(nn.functional.cross_entropy(out, y)), "accuracy": float((out.argmax(1) == y).float().mean())}
+        )
 
 
 # ---------------------------------------------------------------------- the user's client_app.py
@@ -102,8 +104,11 @@ def robust_server(checkpoint_dir: Path, results: dict[str, Result]) -> ServerApp
         def strategy() -> RobustStrategy:
             # f=3 faulty nodes; validation rejects the malformed and NaN ones, the rule outvotes the third.
             return RobustStrategy(
-                aggregator="trimmed_mean", num_byzantine=3, min_available_nodes=NUM_NODES,
-                checkpoint_dir=checkpoint_dir, progress=False,
+                aggregator="trimmed_mean",
+                num_byzantine=3,
+                min_available_nodes=NUM_NODES,
+                checkpoint_dir=checkpoint_dir,
+                progress=False,
             )
 
         initial = ArrayRecord(make_net().state_dict())
@@ -222,8 +227,22 @@ def test_installed_names_live_under_fedrobust_only(tmp_path: Path) -> None:
 
     repo = Path(__file__).resolve().parents[1]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(repo)],
-        check=True, capture_output=True, timeout=300, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(repo),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     wheel = next(tmp_path.glob("fedrobust-*.whl"))
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}

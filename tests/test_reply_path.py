@@ -94,7 +94,7 @@ def test_aggregate_train_equals_the_plain_path_over_rounds(rule: str, server_opt
     for server_round in (1, 2, 3):
         instructions = _instructions(strategy, state, N, server_round)
         local = _locals(state, N, seed=server_round)
-        replies = [_reply(m, ArrayRecord(s), 50 + i) for i, (m, s) in enumerate(zip(instructions, local))]
+        replies = [_reply(m, ArrayRecord(s), 50 + i) for i, (m, s) in enumerate(zip(instructions, local, strict=True))]
         arrays, metrics = strategy.aggregate_train(server_round, reversed(replies))  # order must not matter
         assert arrays is not None and metrics["accepted"] == N
         matrices.append(strategy._matrix)
@@ -143,7 +143,7 @@ def test_weighted_mean_and_malformed_replies_are_judged_one_by_one() -> None:
     records[2]["fc.bias"] = Array(np.zeros(5, dtype=np.float32))
     counts[3] = 0
     records[4]["conv.weight"] = Array((local[4]["conv.weight"] + 10.0).numpy())
-    replies = [_reply(m, r, c) for m, r, c in zip(instructions, records, counts)]
+    replies = [_reply(m, r, c) for m, r, c in zip(instructions, records, counts, strict=True)]
     outcome = strategy.aggregate_round(1, replies)
     reasons = {e["node"]: e["reason"] for e in outcome.rejected_nodes}
     assert reasons == {
@@ -168,14 +168,15 @@ def test_matrix_grows_with_more_replies_and_follows_a_new_model() -> None:
     state = _global()
     for server_round, n in ((1, 4), (2, 3), (3, 7)):
         instructions = _instructions(strategy, state, n, server_round)
-        replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, _locals(state, n, server_round))]
+        local = _locals(state, n, server_round)
+        replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, local, strict=True)]
         arrays, _ = strategy.aggregate_train(server_round, replies)
         assert arrays is not None
         assert strategy._matrix is not None and strategy._matrix.capacity == max(4, n)
     # A model with other shapes: a new matrix, no error.
     other = {"w": torch.zeros(3, 2)}
     instructions = _instructions(strategy, other, 3, 4)
-    replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, _locals(other, 3, 4))]
+    replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, _locals(other, 3, 4), strict=True)]
     arrays, _ = strategy.aggregate_train(4, replies)
     assert arrays is not None and strategy._matrix.dim == 6
 
@@ -194,7 +195,7 @@ def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
     instructions = _instructions(strategy, state, 4, 1)
     local = _locals(state, 4, 1)
     replies = []
-    for i, (m, s) in enumerate(zip(instructions, local)):
+    for i, (m, s) in enumerate(zip(instructions, local, strict=True)):
         metrics = MetricRecord({"num-examples": 10, "sim-byzantine": int(i < 2)})
         replies.append(Message(RecordDict({"arrays": ArrayRecord(s), "metrics": metrics}), reply_to=m))
     outcome = strategy.aggregate_round(1, replies)

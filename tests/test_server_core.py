@@ -114,7 +114,9 @@ def test_adaptive_optimizers_move_along_the_update() -> None:
         assert new["w"][0] > 0 > new["w"][1]
 
 
-@pytest.mark.parametrize("kwargs,match", [({"name": "sgd"}, "valid choices"), ({"lr": 0}, "lr"), ({"momentum": 1.0}, "momentum")])
+@pytest.mark.parametrize(
+    "kwargs,match", [({"name": "sgd"}, "valid choices"), ({"lr": 0}, "lr"), ({"momentum": 1.0}, "momentum")]
+)
 def test_bad_optimizer_settings_are_rejected(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         ServerOptimizer(**kwargs)

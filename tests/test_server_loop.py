@@ -49,12 +49,16 @@ def test_checkpoint_of_another_configuration_is_refused_unless_forced(tmp_path: 
         run_inprocess(changed, Path(changed.output_dir))
 
     forced = small_config(
-        tmp_path / "c", num_rounds=3, **{"checkpoint.dir": ckpt, "aggregator.name": "median", "checkpoint.force_resume": True}
+        tmp_path / "c",
+        num_rounds=3,
+        **{"checkpoint.dir": ckpt, "aggregator.name": "median", "checkpoint.force_resume": True},
     )
     rows = run_inprocess(forced, Path(forced.output_dir))
     assert [r["round"] for r in rows] == [1, 2, 3]  # rounds 1-2 restored from the checkpoint, 3 trained
 
-    more_rounds = small_config(tmp_path / "d", num_rounds=4, **{"checkpoint.dir": ckpt, "checkpoint.force_resume": True})
+    more_rounds = small_config(
+        tmp_path / "d", num_rounds=4, **{"checkpoint.dir": ckpt, "checkpoint.force_resume": True}
+    )
     assert [r["round"] for r in run_inprocess(more_rounds, Path(more_rounds.output_dir))] == [1, 2, 3, 4]
 
 

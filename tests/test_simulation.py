@@ -44,7 +44,10 @@ def test_each_bad_reply_is_rejected_with_its_reason_and_the_round_completes(tmp_
         if partition == 0:  # wrong shape: drop a column of the first weight matrix
             replace_update(reply, lambda u: {**u, next(iter(u)): next(iter(u.values()))[:, :-1].clone()})
         elif partition == 1:  # NaN in every weight
-            replace_update(reply, lambda u: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in u.items()})
+            replace_update(
+                reply,
+                lambda u: {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in u.items()},
+            )
         elif partition == 2:  # forged: flip one byte of the signature
             record = reply.content[protocol.SIGNATURE]
             sig = bytearray(record[protocol.SIG])
@@ -101,7 +104,10 @@ def test_too_few_valid_replies_never_aggregates_and_stops_with_a_checkpoint(tmp_
         if server_round >= 2 and partition < 3:
             replace_update(reply, lambda u: {k: v * float("inf") if v.is_floating_point() else v for k, v in u.items()})
 
-    with pytest.raises(QuorumError, match=r"round 2: not aggregated after 2 attempts \(2 valid replies, krum with f=0 needs at least 3\)"):
+    with pytest.raises(
+        QuorumError,
+        match=r"round 2: not aggregated after 2 attempts \(2 valid replies, krum with f=0 needs at least 3\)",
+    ):
         _run(cfg, tampering_client(cfg, tamper))
     rows = read_rows(Path(cfg.output_dir))
     assert [r["round"] for r in rows] == [1]

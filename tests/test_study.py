@@ -63,7 +63,7 @@ def test_grid_turns_a_raising_clientapp_into_an_error_reply() -> None:
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        raise RuntimeError("boom on partition %d" % context.node_config["partition-id"])
+        raise RuntimeError(f"boom on partition {context.node_config['partition-id']}")
 
     grid = InProcessGrid(app, 3, seed=7)
     assert list(grid.get_node_ids()) == node_ids_for(7, 3)
@@ -84,10 +84,10 @@ def test_grid_turns_a_raising_clientapp_into_an_error_reply() -> None:
 
 def test_small_sweep_report_and_the_effect_of_sign_flip(tmp_path: Path) -> None:
     results_dir, docs = tmp_path / "results", tmp_path / "docs"
-    kwargs = dict(
-        rules=["mean", "median"], attacks=["none", "sign_flip"], partitions=["iid"], seeds=[0],
-        rounds=3, num_clients=10, num_byzantine=2, jobs=1, out=results_dir, echo=False,
-    )
+    kwargs = {
+        "rules": ["mean", "median"], "attacks": ["none", "sign_flip"], "partitions": ["iid"], "seeds": [0],
+        "rounds": 3, "num_clients": 10, "num_byzantine": 2, "jobs": 1, "out": results_dir, "echo": False,
+    }
     results = run_study(**kwargs)
     assert len(results) == 4
     assert all(r["status"] == OK and len(r["rows"]) == 3 for r in results), [r["error"] for r in results]

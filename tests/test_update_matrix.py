@@ -11,10 +11,10 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fedrobust.strategies.reply_arrays import array_view, array_views
 from fedrobust.tensors import flatten, float_keys
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import BLOCK, check_update
-from fedrobust.strategies.reply_arrays import array_view, array_views
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -239,7 +239,7 @@ def test_recheck_sees_rewritten_rows_and_drop_compacts() -> None:
 # ------------------------------------------------------------------ Flower edge
 def test_array_views_share_memory_with_the_array_bytes_and_are_read_only() -> None:
     template = _template()
-    record = ArrayRecord({k: v for k, v in template.items()})
+    record = ArrayRecord(dict(template.items()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no torch "non-writable array" warning on the way
         views = array_views(record)

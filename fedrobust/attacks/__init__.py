@@ -29,7 +29,7 @@ from fedrobust.attacks.client import (
     Zero,
 )
 from fedrobust.attacks.fang import FangKrum, FangTrimmedMean
-from fedrobust.attacks.omniscient import ALIE, IPM, MinMax, MinSum, Mimic, alie_z
+from fedrobust.attacks.omniscient import ALIE, IPM, Mimic, MinMax, MinSum, alie_z
 from fedrobust.attacks.optimal import OptimalALIE, OptimalIPM
 
 __all__ = ["Attack", "alie_z", "build", "client_names", "names", "omniscient_names"]
