@@ -72,6 +72,7 @@ def adversary_for(cfg: RunConfig, context: Context, partition_id: int) -> Advers
     if not name or name == "none":
         return None
     attack = attacks.build(str(name), **params)
-    if ATTACK_STATE in context.state.array_records:
-        attack.load_state_dict(dict(context.state[ATTACK_STATE].to_torch_state_dict()))
+    saved = context.state.array_records.get(ATTACK_STATE)
+    if saved is not None:
+        attack.load_state_dict(dict(saved.to_torch_state_dict()))
     return Adversary(attack, components.dataset_spec(cfg).num_classes)

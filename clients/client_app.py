@@ -174,8 +174,9 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
         from fedrobust import training
 
         run_cfg = settings(context)
-        server_round = int(msg.content[protocol.CONFIG][protocol.SERVER_ROUND])
-        global_state = dict(msg.content[protocol.ARRAYS].to_torch_state_dict())
+        config = msg.content.config_records[protocol.CONFIG]
+        server_round = protocol.record_int(config[protocol.SERVER_ROUND], protocol.SERVER_ROUND)
+        global_state = dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict())
         pid, _ = _partition(run_cfg, context)
         adversary = None
         if plays_attacks:
@@ -190,7 +191,7 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
             update, num_examples, flags = adversary.poison_reply(update, num_examples, server_round, seed=seed)
             adversary.save_state(context)
             metrics.update(flags)
-        records = {
+        records: dict[str, ArrayRecord | MetricRecord | ConfigRecord] = {
             protocol.UPDATE: ArrayRecord(update),
             protocol.METRICS: MetricRecord({protocol.NUM_EXAMPLES: num_examples, **metrics}),
         }
@@ -201,7 +202,7 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
         from fedrobust import training
 
         run_cfg = settings(context)
-        model = _load_model(run_cfg, dict(msg.content[protocol.ARRAYS].to_torch_state_dict()))
+        model = _load_model(run_cfg, dict(msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()))
         dataset = _dataset(run_cfg, context)
         device = training.pick_device(str(context.node_config.get("device", run_cfg.client.device)))
         result = training.evaluate(model, dataset, device=device)

@@ -58,7 +58,7 @@ def signing_mod(private_key: KeySource | None = None) -> Mod:
     if private_key is None:
         key_for: Callable[[Context], signing.Ed25519PrivateKey | None] = node_config_key
     elif isinstance(private_key, signing.Ed25519PrivateKey):
-        key_for = lambda _context, key=private_key: key  # noqa: E731 - a constant key
+        key_for = lambda _context: private_key  # noqa: E731 - a constant key
     elif callable(private_key):
         key_for = private_key
     else:
@@ -86,7 +86,8 @@ def sign_reply(
 ) -> ConfigRecord | None:
     """The signature record of ``reply`` to ``msg``, or None when the server sent no nonce."""
     config = next((c for c in msg.content.config_records.values() if protocol.NONCE in c), None)
-    if config is None or not isinstance(config.get(protocol.NONCE), bytes):
+    nonce = config.get(protocol.NONCE) if config is not None else None
+    if config is None or not isinstance(nonce, bytes):
         log.warning("the server sent no nonce: reply left unsigned")
         return None
     content = reply.content
@@ -99,14 +100,16 @@ def sign_reply(
     if arrays is None or metrics is None:
         log.warning("train reply has no arrays or metrics to sign: left unsigned")
         return None
-    nonce = config[protocol.NONCE]
+    num_examples = metrics.get(protocol.NUM_EXAMPLES)
+    if not isinstance(num_examples, int):  # as sign_update refuses it
+        raise ValueError(f"num_examples must be an integer, got {type(num_examples).__name__}")
     sig = signing.sign_update(
         key,
         run_id=str(context.run_id),
-        round=int(config[protocol.SERVER_ROUND]),
+        round=protocol.record_int(config[protocol.SERVER_ROUND], protocol.SERVER_ROUND),
         node_id=context.node_id,
         nonce=nonce,
-        num_examples=metrics.get(protocol.NUM_EXAMPLES),
+        num_examples=num_examples,
         arrays=dict(arrays.to_torch_state_dict()),
     )
     return ConfigRecord({protocol.KEY_ID: signing.key_id(key.public_key()), protocol.NONCE: nonce, protocol.SIG: sig})

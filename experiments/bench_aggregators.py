@@ -22,6 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -101,7 +102,7 @@ def flower_callables(x: torch.Tensor, f: int, names: tuple[str, ...] = FLOWER) -
 
 def fedrobust_callables(x: torch.Tensor, f: int, rules: list[str]) -> dict[str, Callable[[], object]]:
     built = {name: aggregators.build(name, f=f, **RULE_PARAMS.get(name, {})) for name in rules}
-    return {name: (lambda agg=agg: agg(x)) for name, agg in built.items()}
+    return {name: functools.partial(agg, x) for name, agg in built.items()}
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeats: int, budget_s: float) -> dict[str, float]:
@@ -174,6 +175,7 @@ def run_child(size: str, name: str) -> None:
     # Load (or compile) the kernels on a tiny input first: their code is not the rule's memory.
     aggregators.build("median")(torch.randn(3, 8))
     x = make_input(n, d)
+    fn: Callable[[], object]
     if name == "plain_mean":
         fn = lambda: x.mean(dim=0)  # noqa: E731
     elif name in FLOWER:

@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, cast
 
 # Single-threaded BLAS/OpenMP in the children unless --threads says otherwise: set before numpy loads.
 if "--child" in sys.argv:
@@ -73,6 +74,11 @@ from fedrobust import aggregators
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import check_num_examples
 from strategies.reply_arrays import array_views
+
+if TYPE_CHECKING:
+    from flwr.serverapp import Grid
+
+    from strategies.robust_strategy import RobustStrategy
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +194,10 @@ def fedrobust_path(
             if check_num_examples(content["metrics"].get("num-examples"), 10**9) is not None:
                 rejected += 1
                 continue
+            record = content["arrays"]
+            assert isinstance(record, ArrayRecord)  # build_replies sends the arrays as an ArrayRecord
             try:
-                views = array_views(content["arrays"])
+                views = array_views(record)
             except ValueError:
                 rejected += 1
                 continue
@@ -219,13 +227,16 @@ class _BenchGrid:
         return list(self._node_ids)
 
 
-def robust_strategy(rule: str, n: int, f: int, state: dict[str, torch.Tensor]) -> tuple[object, list[Message]]:
+def robust_strategy(
+    rule: str, n: int, f: int, state: dict[str, torch.Tensor]
+) -> tuple[RobustStrategy, list[Message]]:
     """The real ``RobustStrategy`` after ``configure_train`` (it needs the global model it sent)."""
     from strategies.robust_strategy import RobustStrategy
 
     strategy = RobustStrategy(aggregator=rule, num_byzantine=f, min_train_nodes=n, progress=False)
     grid = _BenchGrid([1000 + i for i in range(n)])
-    instructions = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), grid))
+    # _BenchGrid has the part of the Grid interface that configure_train uses.
+    instructions = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), cast("Grid", grid)))
     return strategy, instructions
 
 

@@ -136,14 +136,14 @@ def _failure_reason(cell: Cell) -> str:
 
 # --------------------------------------------------------------------------- figures
 def _rule_style(rules: list[str]) -> dict[str, dict[str, Any]]:
-    palette = plt.get_cmap("tab10").colors
+    palette = plt.get_cmap("tab10")  # palette(k): the k-th of its 10 colours (RGBA)
     styles = {}
     for i, rule in enumerate(rules):
         if rule == CLEAN_RULE:
             styles[rule] = {"color": "black", "linestyle": "--", "linewidth": 2.0}
         else:
             # Pre-aggregated variants (nnm+...) dash-dotted, to tell them from their base rule.
-            styles[rule] = {"color": palette[i % 10], "linestyle": "-." if "+" in rule else "-", "linewidth": 1.4}
+            styles[rule] = {"color": palette(i % 10), "linestyle": "-." if "+" in rule else "-", "linewidth": 1.4}
     return styles
 
 
@@ -269,7 +269,7 @@ def _table_lines(cells: dict, partition: str, rules: list[str], attacks: list[st
     for rule in rules:
         row = [_cell_text(cells.get((partition, rule, a))) for a in attacks]
         finals = {a: (c.mean if c.ok else -1.0) for a in attacks if (c := cells.get((partition, rule, a)))}
-        worst_attack = min(finals, key=finals.get) if finals else ""
+        worst_attack = min(finals, key=finals.__getitem__) if finals else ""
         if not finals:
             worst_text = "–"
         elif finals[worst_attack] < 0:
@@ -340,7 +340,7 @@ def _pilot_section(pilot_dir: Path) -> list[str]:
                       for a in attacks if (partition, rule, a) in cells}
             if not finals:
                 continue
-            worst_attack = min(finals, key=finals.get)
+            worst_attack = min(finals, key=finals.__getitem__)
             scored.append((statistics.fmean(finals.values()), finals[worst_attack], worst_attack, rule))
         for mean, worst, worst_attack, rule in sorted(scored, key=lambda x: (x[1], x[0]), reverse=True):
             lines.append(f"| {rule} | {mean:.3f} | {worst:.3f} ({worst_attack}) |")
@@ -457,16 +457,16 @@ def write_report(
                 lines.append(f"| {attack} | none finished | – | – | **missed** | {mean_text} |")
                 misses.append(f"{title}, {attack}: no robust rule finished every seed.")
                 continue
-            rule, cell = best
-            gap = clean.mean - cell.mean
+            rule, top = best
+            gap = clean.mean - top.mean
             met = gap <= gap_allowed + 1e-12
             lines.append(
-                f"| {attack} | {rule} | {cell.mean:.3f} ± {cell.std:.3f} ({cell.worst:.2f}) | {_pts(-gap)} | "
+                f"| {attack} | {rule} | {top.mean:.3f} ± {top.std:.3f} ({top.worst:.2f}) | {_pts(-gap)} | "
                 f"{'met' if met else '**missed**'} | {mean_text} |"
             )
             if not met:
                 misses.append(
-                    f"{title}, {attack}: the best robust rule, {rule}, reaches {cell.mean:.3f} ± {cell.std:.3f}, "
+                    f"{title}, {attack}: the best robust rule, {rule}, reaches {top.mean:.3f} ± {top.std:.3f}, "
                     f"{100 * gap:.1f} points below clean FedAvg ({clean.mean:.3f}); allowed {100 * gap_allowed:.0f}."
                 )
         lines.append("")

@@ -26,6 +26,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import statistics
@@ -161,7 +162,7 @@ def simulate(scenario: Scenario, seed: int, make: Callable[[], Any], adaptive: b
 
 def run(scenario: Scenario, seeds: int, max_fixed: int) -> list[dict[str, Any]]:
     policies: list[tuple[str, Callable[[], Any], bool]] = [
-        (f"fixed {k}", (lambda k=k: Fixed(k)), False) for k in range(1, max_fixed + 1)
+        (f"fixed {k}", functools.partial(Fixed, k), False) for k in range(1, max_fixed + 1)
     ]
     n = scenario.rounds
     given = scenario.mtbf_s

@@ -114,7 +114,7 @@ def _attack_files() -> dict[str, str]:
     """
     import yaml
 
-    files = {}
+    files: dict[str, str] = {}
     for path in sorted((CONF_DIR / "attack").glob("*.yaml")):
         name = (yaml.safe_load(path.read_text()) or {}).get("name", path.stem)
         files.setdefault(str(name), path.stem)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 # there. Only when the mapped folders are absent, so an installed package never looks outside.
 _here = Path(__file__).resolve().parent
 if not (_here / "strategies").is_dir() and (_here.parent / "strategies" / "__init__.py").is_file():
-    __path__.append(str(_here.parent))  # type: ignore[name-defined]  # __path__ exists in a package
+    __path__.append(str(_here.parent))
 
 # Public name -> the module that defines it.
 _EXPORTS = {

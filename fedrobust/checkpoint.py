@@ -221,7 +221,10 @@ def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         JSON-able states of ``random`` and NumPy, and the number of CUDA devices captured.
     """
     version, internal, gauss_next = random.getstate()
-    name, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    np_state = np.random.get_state(legacy=True)
+    if not isinstance(np_state, tuple):  # a dict: np.random.set_bit_generator replaced MT19937
+        raise ValueError("the global NumPy random state is not MT19937, so it has no legacy state to capture")
+    name, key, pos, has_gauss, cached_gaussian = np_state
     tensors = {"torch_cpu": torch.get_rng_state()}
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     for index, state in enumerate(cuda_states):
@@ -695,7 +698,12 @@ class CheckpointStore:
     ) -> dict[str, _Raw]:
         parent = manifest.get("parent")
         parent_round = parent.get("round") if isinstance(parent, dict) else None
-        if not isinstance(parent_round, int) or isinstance(parent_round, bool) or not parent_round < round_:
+        if (
+            not isinstance(parent, dict)
+            or not isinstance(parent_round, int)
+            or isinstance(parent_round, bool)
+            or not parent_round < round_
+        ):
             raise _InvalidCheckpoint(f"delta has no valid parent round (got {parent!r})")
         if depth > _MAX_CHAIN:
             raise _InvalidCheckpoint("delta chain is too long")
@@ -724,10 +732,12 @@ class CheckpointStore:
             raise _InvalidCheckpoint("manifest.json is not a fedrobust checkpoint manifest")
         version = manifest.get("format_version")
         kind = manifest.get("kind", "full")
-        expected_files = {
+        # Keyed by (format version, kind); the manifest's values may be anything JSON holds.
+        files_by_format: dict[tuple[object, object], set[str]] = {
             (FORMAT_VERSION, "full"): {TENSORS_FILE, META_FILE},
             (DELTA_FORMAT_VERSION, "delta"): {DELTA_FILE, DELTA_INDEX_FILE, META_FILE},
-        }.get((version, kind))
+        }
+        expected_files = files_by_format.get((version, kind))
         if expected_files is None:
             raise _InvalidCheckpoint(
                 f"format version {version!r} of kind {kind!r} is not supported "
@@ -935,7 +945,8 @@ def _encode_delta(new: Mapping[str, _Raw], base: Mapping[str, _Raw]) -> tuple[by
                 index[key] = entry | {"op": "same"}
                 continue
             itemsize = raw.data.size // numel
-            packed = zlib.compress(_shuffle(np.bitwise_xor(old.data, raw.data), itemsize), 1)
+            # .data: the array's buffer as a memoryview (numpy types ndarray as a buffer only for Python >= 3.12).
+            packed = zlib.compress(_shuffle(np.bitwise_xor(old.data, raw.data), itemsize).data, 1)
             if len(packed) < raw.data.size:
                 stored[key] = _Raw("U8", (len(packed),), np.frombuffer(packed, dtype=np.uint8))
                 index[key] = entry | {"op": "xor", "codec": "zlib", "itemsize": itemsize}

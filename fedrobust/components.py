@@ -90,8 +90,8 @@ def import_target(path: str) -> Any:
         raise ValueError("empty _target_; expected a dotted path such as my_pkg.models.Net")
     path = path.strip()
     if ":" in path:
-        module_name, _, attrs = path.partition(":")
-        candidates = [(module_name, attrs.split(".") if attrs else [])]
+        module_name, _, attr_path = path.partition(":")
+        candidates = [(module_name, attr_path.split(".") if attr_path else [])]
     else:
         names = path.split(".")
         # The longest importable module prefix wins; the rest are attributes.
@@ -198,7 +198,7 @@ def _as_tensors(split: Any, what: str) -> TensorDataset:
         x, y = split.tensors
     elif isinstance(split, Dataset) or hasattr(split, "__getitem__") and hasattr(split, "__len__"):
         try:
-            items = [split[i] for i in range(len(split))]  # type: ignore[arg-type]
+            items = [split[i] for i in range(len(split))]
             x = torch.stack([torch.as_tensor(item[0]) for item in items])
             y = torch.as_tensor([int(item[1]) for item in items])
         except Exception as err:

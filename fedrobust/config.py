@@ -294,7 +294,7 @@ def _build(cls: type, values: Mapping[str, Any], path: str, problems: list[str])
             continue
         hint = hints[name]
         key = f"{path}.{name}" if path else name
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if not isinstance(value, Mapping):
                 problems.append(f"{key}={format_value(value)}: must be a table of settings")
                 continue

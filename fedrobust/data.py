@@ -523,13 +523,14 @@ def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorD
         raise ValueError(f"data-path {str(where)!r} does not exist")
     if where.is_dir() and isinstance(name, DatasetSpec):
         table = datasets.load_from_disk(str(where)).with_format("numpy")
-        label = next((c for c in (_LABEL, "y") if c in table.column_names), None)
-        if _DIGITS_FEATURE not in table.column_names or label is None:
+        column = next((c for c in (_LABEL, "y") if c in table.column_names), None)
+        if _DIGITS_FEATURE not in table.column_names or column is None:
             raise ValueError(f"{where}: a save_to_disk directory needs columns 'x' and 'label' (or 'y'), "
                              f"found {table.column_names}")
         x = torch.from_numpy(np.asarray(table[_DIGITS_FEATURE], dtype=np.float32))
-        y = torch.from_numpy(np.asarray(table[label], dtype=np.int64))
+        y = torch.from_numpy(np.asarray(table[column], dtype=np.int64))
     elif where.is_dir():
+        assert isinstance(name, str)  # a DatasetSpec directory is read above
         x, y = _to_tensors(name, datasets.load_from_disk(str(where))).tensors
     elif where.suffix == ".npz":
         with np.load(where, allow_pickle=False) as arrays:

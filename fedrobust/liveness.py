@@ -235,7 +235,7 @@ class LivenessTracker:
 
     def snapshot(self) -> dict[str, int]:
         """Number of known nodes per status, for the per-round report."""
-        counts = dict.fromkeys(STATUSES, 0)
+        counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
         for node_id in self._nodes:
             counts[self.status(node_id)] += 1
         return counts

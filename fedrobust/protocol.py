@@ -23,3 +23,10 @@ SIG = "sig"
 # Set by a simulated Byzantine client so that the simulation-only adversary hook can
 # find the rows it controls; the production strategy never reads it.
 SIM_BYZANTINE = "sim-byzantine"
+
+
+def record_int(value: object, field: str) -> int:
+    """``int(value)`` of a scalar record value (e.g. the server round); TypeError naming ``field`` otherwise."""
+    if isinstance(value, int | float | str | bytes):
+        return int(value)
+    raise TypeError(f"record field {field!r} must be a number, got {type(value).__name__}")

@@ -1004,11 +1004,11 @@ def verify_reply(
     replay_guard: ReplayGuard,
     *,
     key_id: str | None,
-    signature: bytes | None,
+    signature: Any,
     run_id: int | str,
     round: int,
     node_id: int,
-    nonce: bytes | None,
+    nonce: Any,
     num_examples: Any,
     arrays: Any,
     require_signature: bool,
@@ -1030,7 +1030,7 @@ def verify_reply(
     key_id : str or None
         The key id the reply claims.
     signature : bytes or None
-        The reply's signature; None or empty means unsigned.
+        The reply's signature; None or empty means unsigned, any other non-bytes value is a bad signature.
     run_id, round, node_id
         Set by the server (its run, the round it is collecting, the node the reply came from);
         a malformed value is a server bug and raises `ValueError`.

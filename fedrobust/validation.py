@@ -147,10 +147,10 @@ def _sum_of_squares(values: torch.Tensor | np.ndarray) -> float:
     flat = np.asarray(values).reshape(-1)
     total = 0.0
     for start in range(0, flat.size, BLOCK):
-        block = flat[start : start + BLOCK]
-        if block.dtype not in (np.float32, np.float64):
-            block = block.astype(np.float32)
-        total += block_sum_squares(block)
+        block_np = flat[start : start + BLOCK]
+        if block_np.dtype not in (np.float32, np.float64):
+            block_np = block_np.astype(np.float32)
+        total += block_sum_squares(block_np)
     return total
 
 

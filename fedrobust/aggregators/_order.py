@@ -81,24 +81,24 @@ def _run(
     comp_a, comp_b = network
     block = kernels.block_size(rows.m, torch.finfo(dtype).bits // 8)
     out_np = out.numpy()
-    finite = True
+    all_finite = True
     if rows.mix is None and basis.x.dtype == dtype and basis.x.stride(1) == 1:
         # Read the input in place; a row subset is passed as indices instead of being copied.
         flat, row_stride = flat_rows(basis.x)
         index = torch.arange(basis.n) if rows.index is None else rows.index
         index_np = np.ascontiguousarray(index.numpy(), dtype=np.int64)
         for start, stop in basis.spans(rows.m):
-            finite &= kernels.launch(
+            all_finite &= kernels.launch(
                 kernel, flat, row_stride, start, out_np[start:stop], index_np, comp_a, comp_b, *params, block
             )
     else:
         index_np = np.arange(rows.m, dtype=np.int64)
         for start, stop, y in rows.chunks(dtype):
             flat, row_stride = flat_rows(y.contiguous())
-            finite &= kernels.launch(
+            all_finite &= kernels.launch(
                 kernel, flat, row_stride, 0, out_np[start:stop], index_np, comp_a, comp_b, *params, block
             )
-    return out if finite else None
+    return out if all_finite else None
 
 
 def window_mean(rows: Rows, lo: int, hi: int) -> Tensor:

@@ -95,8 +95,8 @@ class Aggregator:
         n = x.shape[0]
         failure = self._first_failure(n)
         if failure is not None:
-            stage, rows, text = failure
-            seen = "" if rows == n else f" on the {rows} rows left by the pre-aggregators"
+            stage, rows_left, text = failure
+            seen = "" if rows_left == n else f" on the {rows_left} rows left by the pre-aggregators"
             raise ValueError(
                 f"{self.label}: {stage.name} requires {text}{seen}, got n={n} with f={self.f}; "
                 f"this pipeline needs n >= {self.min_n()}"

@@ -82,6 +82,7 @@ def build(name: str, **params: Any) -> Attack:
     cls = _REGISTRY.get(name)
     if cls is None:
         raise ValueError(f"unknown attack {name!r}; valid attacks: {', '.join(names())}")
+    assert dataclasses.is_dataclass(cls), cls  # every registered attack is a dataclass
     allowed = [fld.name for fld in dataclasses.fields(cls) if fld.init]
     unknown = sorted(set(params) - set(allowed))
     if unknown:

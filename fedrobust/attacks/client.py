@@ -320,7 +320,7 @@ class Stale(Attack):
     def poison_update(
         self, update: dict[str, Tensor], *, round: int, generator: torch.Generator
     ) -> dict[str, Tensor]:
-        if self._captured is not None and round > self._captured_at:
+        if self._captured is not None and self._captured_at is not None and round > self._captured_at:
             # Clones, so a caller that edits the reply in place cannot change what later rounds replay.
             return {key: t.clone() for key, t in self._captured.items()}
         if self._captured is None and (self.capture_round is None or round >= self.capture_round):
