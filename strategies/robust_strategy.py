@@ -111,10 +111,17 @@ class RobustStrategy(Strategy):
 
     Parameters
     ----------
-    aggregator : str or Aggregator
-        A rule from ``fedrobust.aggregators.names()`` (``trimmed_mean``, ``median``, ``krum``,
-        ``multikrum``, ``geometric_median``, ``centered_clipping``, ``bulyan``, ``mean``, ...) or an
-        aggregator already built with :func:`fedrobust.aggregators.build`.
+    aggregator : str, callable or Aggregator
+        The robust rule. A name from ``fedrobust.aggregators.names()`` (``trimmed_mean``, ``median``,
+        ``krum``, ``multikrum``, ``geometric_median``, ``centered_clipping``, ``bulyan``, ``mean``,
+        ...); a user rule's dotted path (``"my_pkg.rules.MyRule"`` or ``"my_pkg.rules:MyRule"``, as a
+        config's ``aggregator._target_``), or that class or factory itself: called with ``f`` (when
+        its signature names it) and ``aggregator_params``, it returns a callable from the ``[n, d]``
+        update matrix to the ``[d]`` aggregate (the rule protocol of :mod:`fedrobust.components`) and
+        is contract-checked when built; or an aggregator already built with
+        :func:`fedrobust.aggregators.build` (then without ``pre`` and ``aggregator_params``). A name
+        or dotted path is built again with a lower ``f`` for a round in which nodes were proven
+        faulty; a class, callable or built aggregator keeps ``num_byzantine``.
     num_byzantine : int
         f, the number of faulty or malicious replies per round the rule tolerates.
     pre : sequence of str or mapping
@@ -205,7 +212,7 @@ class RobustStrategy(Strategy):
 
     def __init__(
         self,
-        aggregator: str | aggregators.Aggregator = "trimmed_mean",
+        aggregator: str | Callable[..., Any] | aggregators.Aggregator = "trimmed_mean",
         num_byzantine: int = 0,
         *,
         pre: Sequence[str | Mapping[str, Any]] | str = (),

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 FEDERATION = "fedrobust-sim"
 NUM_ROUNDS = 2
 NUM_CLIENTS = 5
-NUM_BYZANTINE = 1  # pyproject's default experiment has sign-flip clients; f=1 fits 5 clients per round
+NUM_BYZANTINE = 1  # only the f the rule tolerates (attack.name defaults to 'none'); f=1 fits 5 clients per round
 # CPUs Ray reserves per ClientApp; Ray sees the machine's cores, so this caps how many ClientApp
 # actors (each importing torch) run at once.
 CLIENT_CPUS = 1
