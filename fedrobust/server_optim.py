@@ -41,8 +41,9 @@ class ServerOptimizer:
     beta_1: float = 0.9
     beta_2: float = 0.99
     tau: float = 1e-3
-    steps: int = 0
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # State, not settings: restored with load_state_dict, never passed to the constructor.
+    steps: int = field(default=0, init=False)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:

@@ -37,10 +37,10 @@ from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import ServerOptimizer
 from fedrobust.signing import TrustStore
+from fedrobust.strategies.replies import parse_reply
+from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import Rejection, check_num_examples
-from fedrobust.strategies.replies import MALFORMED_REPLY, parse_reply
-from fedrobust.strategies.signatures import SignatureCheck
 
 log = logging.getLogger(__name__)
 
@@ -284,28 +284,45 @@ class RobustStrategy(Strategy):
         _check(divergence_factor == 0 or divergence_factor > 1,
                f"divergence_factor must be > 1 (0: off), got {divergence_factor!r}")
         _check(0 < lr_decay <= 1, f"lr_decay must be in (0, 1], got {lr_decay!r}")
-        _check(checkpoint_every_seconds >= 0, f"checkpoint_every_seconds must be >= 0, got {checkpoint_every_seconds!r}")
+        _check(
+            checkpoint_every_seconds >= 0,
+            f"checkpoint_every_seconds must be >= 0, got {checkpoint_every_seconds!r}",
+        )
         _check(
             checkpoint_every == CHECKPOINT_INTERVAL_AUTO
-            or isinstance(checkpoint_every, int) and not isinstance(checkpoint_every, bool) and checkpoint_every >= 0,
+            or isinstance(checkpoint_every, int)
+            and not isinstance(checkpoint_every, bool)
+            and checkpoint_every >= 0,
             f"checkpoint_every must be an integer >= 0 (0: only by time and after the last round) or "
             f"{CHECKPOINT_INTERVAL_AUTO!r} (Young/Daly interval), got {checkpoint_every!r}",
         )
-        _check(checkpoint_mtbf is None or checkpoint_mtbf > 0,
-               f"checkpoint_mtbf must be > 0 seconds (None: estimated from restarts), got {checkpoint_mtbf!r}")
-        _check(checkpoint_storage_options is None or isinstance(checkpoint_storage_options, Mapping),
-               f"checkpoint_storage_options must be a mapping of fsspec options, got {checkpoint_storage_options!r}")
-        _check(not checkpoint_mirror or checkpoint_dir not in (None, ""),
-               f"checkpoint_mirror={checkpoint_mirror!r} needs checkpoint_dir, the local directory written first")
+        _check(
+            checkpoint_mtbf is None or checkpoint_mtbf > 0,
+            f"checkpoint_mtbf must be > 0 seconds (None: estimated from restarts), got {checkpoint_mtbf!r}",
+        )
+        _check(
+            checkpoint_storage_options is None or isinstance(checkpoint_storage_options, Mapping),
+            f"checkpoint_storage_options must be a mapping of fsspec options, got {checkpoint_storage_options!r}",
+        )
+        _check(
+            not checkpoint_mirror or checkpoint_dir not in (None, ""),
+            f"checkpoint_mirror={checkpoint_mirror!r} needs checkpoint_dir, the local directory written first",
+        )
         _check(resume in RESUME_MODES, f"unknown resume {resume!r}; valid choices: {list(RESUME_MODES)}")
 
         if isinstance(aggregator, aggregators.Aggregator):
-            _check(not pre and not aggregator_params,
-                   "pre and aggregator_params apply to a rule given by name, not to a built Aggregator")
+            _check(
+                not pre and not aggregator_params,
+                "pre and aggregator_params apply to a rule given by name, not to a built Aggregator",
+            )
             self.aggregator = aggregator
         else:
             self.aggregator = aggregators.build(aggregator, f=num_byzantine, pre=pre, **dict(aggregator_params or {}))
-        self._rule_spec = (aggregator, tuple(pre) if not isinstance(pre, str) else (pre,), dict(aggregator_params or {}))
+        self._rule_spec = (
+            aggregator,
+            tuple(pre) if not isinstance(pre, str) else (pre,),
+            dict(aggregator_params or {}),
+        )
         self.num_byzantine = num_byzantine
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
@@ -428,7 +445,7 @@ class RobustStrategy(Strategy):
         self.planned_replies = self.sample_size(len(candidates))
         want = min(len(candidates), self.planned_replies + self.over_select)
         rng = np.random.default_rng([self.seed, server_round, attempt])
-        picked = rng.choice(len(candidates), size=want, replace=False) if want else []
+        picked: np.ndarray | list[int] = rng.choice(len(candidates), size=want, replace=False) if want else []
         return self._order(candidates[i] for i in picked)
 
     # ------------------------------------------------------------------ Strategy API
@@ -537,7 +554,9 @@ class RobustStrategy(Strategy):
             self._rules[f] = aggregators.build(rule, f=f, pre=pre, **params)
         return self._rules[f]
 
-    def _call_rule(self, rule: aggregators.Aggregator, matrix: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def _call_rule(
+        self, rule: aggregators.Aggregator, matrix: torch.Tensor, weights: torch.Tensor | None
+    ) -> torch.Tensor:
         if rule is self.aggregator:
             return rule(matrix, weights)
         # Stateful pipelines (centered clipping's center, adaptive clipping) carry on from the main one.
@@ -555,12 +574,12 @@ class RobustStrategy(Strategy):
         eligible = self._order(self.liveness.eligible(grid.get_node_ids(), server_round))
         want = min(len(eligible), max(int(len(eligible) * self.fraction_evaluate + 1e-9), self.min_evaluate_nodes))
         rng = np.random.default_rng([self.seed, server_round, 0xE7A1])
-        picked = rng.choice(len(eligible), size=want, replace=False) if want else []
+        picked: np.ndarray | list[int] = rng.choice(len(eligible), size=want, replace=False) if want else []
         return [self._message(eligible[i], server_round, arrays, config, MessageType.EVALUATE) for i in sorted(picked)]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the clients' evaluation metrics (error replies skipped)."""
-        rows = []
+        rows: list[tuple[dict[str, float], float]] = []
         for reply in replies:
             if reply.has_error() or not reply.content.metric_records:
                 continue
@@ -568,14 +587,18 @@ class RobustStrategy(Strategy):
             record = records.get(protocol.METRICS) or next(iter(records.values()))
             count = record.get(self.weighted_by_key)
             if isinstance(count, int | float) and count > 0:
-                rows.append((record, float(count)))
+                scalars = {
+                    k: float(v) for k, v in record.items() if k != self.weighted_by_key and isinstance(v, int | float)
+                }
+                rows.append((scalars, float(count)))
         total = sum(count for _, count in rows)
         if not rows or total <= 0:
             return None
-        keys = sorted({k for r, _ in rows for k, v in r.items() if k != self.weighted_by_key and isinstance(v, int | float)})
-        return MetricRecord(
-            {k: sum(float(r.get(k, 0.0)) * count for r, count in rows) / total for k in keys}  # type: ignore[arg-type]
-        )
+        keys = sorted({k for r, _ in rows for k in r})
+        means: dict[str, int | float | list[int] | list[float]] = {
+            k: sum(r.get(k, 0.0) * count for r, count in rows) / total for k in keys
+        }
+        return MetricRecord(means)
 
     def summary(self) -> None:
         """Log the strategy's configuration."""
@@ -624,7 +647,9 @@ class RobustStrategy(Strategy):
         """
         from fedrobust.strategies.round_loop import RoundLoop
 
-        _check(isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}")
+        _check(
+            isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}"
+        )
         loop = RoundLoop(
             self,
             grid,
@@ -682,9 +707,7 @@ class RobustStrategy(Strategy):
         self._matrix = matrix
         return matrix
 
-    def _parse(
-        self, server_round: int, node_id: int, reply: Message, matrix: UpdateMatrix
-    ) -> ClientUpdate | Rejection:
+    def _parse(self, server_round: int, node_id: int, reply: Message, matrix: UpdateMatrix) -> ClientUpdate | Rejection:
         """Parse, verify the signature, check num-examples, then check and write the update into ``matrix``."""
         parsed = parse_reply(reply.content, arrayrecord_key=self.arrayrecord_key, weighted_by_key=self.weighted_by_key)
         if isinstance(parsed, Rejection):
@@ -788,7 +811,7 @@ def _strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
-def _first_line(text: str) -> str:
+def _first_line(text: str | None) -> str:
     """The message of a client's error: Flower's reason holds a traceback; its last line says what failed."""
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     return (lines[-1] if lines else "unknown error")[:200]
