@@ -332,7 +332,13 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{key}={format_value(value)}: must be a string")
         return value
-    # dict[str, Any] parameter tables: keep as a plain dict.
+    # dict[str, Any] parameter tables: keep as a plain dict. Flower's run config holds scalars only,
+    # so there a table is a JSON object in a string: --run-config 'aggregator.params="{\"tau\": 5}"'.
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{key}={format_value(value)}: must be a JSON object of parameters ({err})") from None
     if not isinstance(value, Mapping):
         raise ValueError(f"{key}={format_value(value)}: must be a table of parameters")
     return dict(value)
@@ -408,13 +414,44 @@ def _toml_value(value: Any) -> str:
 def run_config_toml(cfg: RunConfig | None = None) -> str:
     """The ``[tool.flwr.app.config]`` table of ``cfg`` (RunConfig's defaults when None), as TOML.
 
-    Every scalar setting is one dotted key; parameter tables (``aggregator.params`` and the like)
-    are empty by default and so declare nothing.
+    Every scalar setting is one dotted key; a parameter table (``aggregator.params`` and the like)
+    is one key too, its value a JSON object in a string, since Flower's run config holds scalars only
+    and refuses keys the app does not declare.
     """
-    flat = (cfg or RunConfig()).to_flat()
+    cfg = cfg or RunConfig()
+    flat = {**cfg.to_flat(), **{key: json.dumps(value, sort_keys=True) for key, value in _param_tables(cfg).items()}}
     lines = [PYPROJECT_TABLE, _PYPROJECT_HEADER.rstrip("\n")]
-    lines += [f"{json.dumps(key)} = {_toml_value(value)}" for key, value in flat.items()]
+    lines += [f"{json.dumps(key)} = {_toml_value(value)}" for key, value in sorted(flat.items(), key=_field_order(cfg))]
     return "\n".join(lines) + "\n"
+
+
+def _param_tables(node: Any, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """The dotted keys and values of the parameter tables (``dict`` settings) of a config dataclass."""
+    tables: dict[str, dict[str, Any]] = {}
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            tables.update(_param_tables(value, f"{prefix}{f.name}."))
+        elif isinstance(value, dict):
+            tables[f"{prefix}{f.name}"] = value
+    return tables
+
+
+def _field_order(cfg: RunConfig) -> Any:
+    """Sort key: the declaration order of RunConfig's fields, so the table reads like the dataclass."""
+    order = {key: i for i, key in enumerate(_declared_keys(cfg))}
+    return lambda item: order.get(item[0], len(order))
+
+
+def _declared_keys(node: Any, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += _declared_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
 
 
 def replace_run_config_block(pyproject: str, cfg: RunConfig | None = None) -> str:

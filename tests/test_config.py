@@ -96,3 +96,16 @@ def test_pyproject_run_config_is_the_hydra_default_experiment() -> None:
     project = tomllib.loads((CONF.parent / "pyproject.toml").read_text())
     flat = flatten_dict(project["tool"]["flwr"]["app"]["config"])
     assert from_flat(flat) == _compose()
+
+
+def test_flwr_run_config_sets_parameter_tables_as_json_objects() -> None:
+    from fedrobust.config import ConfigError, from_flat, run_config_toml
+
+    # Declared in the app's run config, so `flwr run --run-config` may override them.
+    assert '"aggregator.params" = "{}"' in run_config_toml()
+    cfg = from_flat({"aggregator.name": "centered_clipping", "aggregator.params": '{"tau": 5, "iters": 2}'})
+    assert cfg.aggregator.params == {"tau": 5, "iters": 2}
+    with pytest.raises(ConfigError, match=r"model\.params=\[1\]: must be a table of parameters"):
+        from_flat({"model.params": "[1]"})
+    with pytest.raises(ConfigError, match=r"attack\.params=\{oops: must be a JSON object of parameters"):
+        from_flat({"attack.params": "{oops"})
