@@ -40,7 +40,7 @@ import logging
 import tempfile
 import time
 import traceback
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,9 +58,11 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from experiments.adversary import omniscient_hook
+from experiments.client_state import with_client_state
 from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import RunConfig
 from fedrobust.run_setup import validate
+from fedrobust.strategies.robust_strategy import RobustStrategy
 from fedrobust.strategies.server_app import run_experiment
 
 log = logging.getLogger(__name__)
@@ -221,7 +223,7 @@ class InProcessGrid(Grid):
         started = time.perf_counter()
         try:
             reply = self.client_app(received, context)
-        except Exception as err:  # noqa: BLE001 - any ClientApp failure becomes an error reply, as in Flower
+        except Exception as err:  # any ClientApp failure becomes an error reply, as in Flower
             self.client_errors += 1
             log.warning(
                 "ClientApp of node %d raised on %s:\n%s",
@@ -241,24 +243,31 @@ class InProcessGrid(Grid):
 @contextlib.contextmanager
 def _server_identity(run_id: int) -> Iterator[None]:
     """Act as the ServerApp task of ``run_id`` (Flower stamps new messages with it), then restore."""
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)  # noqa: SLF001
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run_id, SUPERLINK_NODE_ID
     try:
         yield
     finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved  # noqa: SLF001
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def run_inprocess(
-    cfg: RunConfig, out_dir: Path | None = None, *, echo: bool = False, client_app: ClientApp | None = None
+    cfg: RunConfig,
+    out_dir: Path | None = None,
+    *,
+    echo: bool = False,
+    client_app: ClientApp | None = None,
+    on_strategy: Callable[[RobustStrategy], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` in-process nodes; return the metrics rows.
 
     The server side is :func:`fedrobust.strategies.server_app.run_experiment` with the
     omniscient adversary hook of :mod:`experiments.adversary`, as ``experiments/simulate.py``
     runs it on Flower's engine; the nodes run ``make_client_app(cfg)`` (or ``client_app``, e.g.
-    a test's misbehaving one). ``metrics.jsonl``, ``final_model.safetensors`` and the resolved
-    config go to ``out_dir`` (a temporary directory when None).
+    a test's misbehaving one), whose ``Context.state`` goes into the round checkpoints as in
+    ``experiments/simulate.py``. ``metrics.jsonl``, ``final_model.safetensors`` and the resolved
+    config go to ``out_dir`` (a temporary directory when None). ``on_strategy`` sees the strategy
+    before it starts (e.g. to request a stop).
 
     PyTorch is limited to one thread in this process (the models are tiny; a sweep runs one
     process per core instead).
@@ -277,8 +286,8 @@ def run_inprocess(
             out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        app = client_app if client_app is not None else make_client_app(cfg)
+        app = with_client_state(client_app if client_app is not None else make_client_app(cfg))
         grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat())
         with _server_identity(grid.run.run_id):
-            run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), progress=echo)
+            run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy, progress=echo)
         return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

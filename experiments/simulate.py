@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -13,15 +14,20 @@ from typing import Any
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
-import ray  # noqa: E402
-from flwr.simulation import run_simulation  # noqa: E402
+import ray
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
 
-from experiments.adversary import omniscient_hook  # noqa: E402
-from fedrobust.clients.client_app import make_client_app  # noqa: E402
-from fedrobust.config import RunConfig  # noqa: E402
-from fedrobust.run_setup import validate  # noqa: E402
-from fedrobust.strategies.robust_strategy import RobustStrategy  # noqa: E402
-from fedrobust.strategies.server_app import install_stop_handlers, make_server_app  # noqa: E402
+from experiments.adversary import omniscient_hook
+from experiments.client_state import with_client_state
+from fedrobust.checkpoint import open_store
+from fedrobust.clients.client_app import make_client_app
+from fedrobust.config import RunConfig
+from fedrobust.run_setup import validate
+from fedrobust.strategies.errors import Preempted
+from fedrobust.strategies.robust_strategy import RobustStrategy
+from fedrobust.strategies.server_app import install_stop_handlers, run_experiment
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,10 @@ def _start_ray(verbose: bool) -> None:
 def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` simulated SuperNodes; return the metrics rows.
 
-    SIGTERM and SIGINT make the server checkpoint and stop (``Preempted``).
+    SIGTERM and SIGINT, to this process alone or to its whole process group (Ray's workers
+    included, as batch schedulers send them), make the server checkpoint the last completed round
+    and stop (``Preempted``). The clients' ``Context.state`` is checkpointed with the rounds
+    (:mod:`experiments.client_state`), so a resume continues stateful clients exactly.
 
     Raises
     ------
@@ -82,17 +91,80 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
-    backend_config = {
-        "client_resources": {"num_cpus": cfg.simulation.client_cpus, "num_gpus": cfg.simulation.client_gpus},
-    }
-    run_simulation(
-        server_app=make_server_app(cfg, out_dir=out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy),
-        client_app=make_client_app(cfg),
-        num_supernodes=cfg.num_clients,
-        backend_config=backend_config,
-        verbose_logging=verbose,
-    )
+    server_app = ServerApp()
+    preempted: list[Preempted] = []
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        try:
+            run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy)
+        except Preempted as stopped:
+            preempted.append(stopped)
+            raise
+
+    try:
+        run_simulation(
+            server_app=server_app,
+            client_app=with_client_state(make_client_app(cfg)),
+            num_supernodes=cfg.num_clients,
+            backend_config=backend_config(cfg),
+            verbose_logging=verbose,
+        )
+    except Exception as err:
+        # After a stop request, whatever else failed (the engine losing its workers to a signal
+        # sent to the whole process group) is the stop; the server's own account of it comes first.
+        if preempted:
+            _ignore_further_signals()
+            raise preempted[0] from (None if err is preempted[0] else err)
+        if stop.is_set():
+            _ignore_further_signals()
+            raise Preempted(f"stopped ({type(err).__name__}: {err})", checkpointed=_has_checkpoint(cfg)) from err
+        raise
+    if stop.is_set():  # the run was complete when the signal came
+        _ignore_further_signals()
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     if len(rows) < cfg.num_rounds:
         raise RuntimeError(f"the server stopped after {len(rows)} of {cfg.num_rounds} rounds; see the log above")
     return rows
+
+
+def backend_config(cfg: RunConfig) -> dict[str, Any]:
+    """Flower's Ray backend config for ``cfg``: each client's resources, and workers that come back.
+
+    A ClientApp that takes its worker process down (``os._exit``, a segfault, the OOM killer) would
+    otherwise leave a dead actor in Flower's pool, and every later message given to it would fail
+    too. Ray restarts it and runs the message it died on once more: a ClientApp that dies again is
+    one dropped reply, one that died of a passing cause (memory) answers after all.
+    """
+    return {
+        "client_resources": {
+            "num_cpus": cfg.simulation.client_cpus,
+            "num_gpus": cfg.simulation.client_gpus,
+            # Passed through to the actors' options: a dead worker is restarted, and a message given to
+            # it while it restarts (or the one it died on) is run once more after the restart.
+            "max_restarts": -1,
+            "max_task_retries": 1,
+        },
+    }
+
+
+def _ignore_further_signals() -> None:
+    """The run stopped and its checkpoint is written: from now on SIGTERM and SIGINT change nothing.
+
+    Schedulers and impatient users signal again while the process shuts Ray down; with our handler
+    left in place, Python's finalization would restore the default action and such a signal would
+    end the process with -15 instead of the 75 that says "resume me".
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _has_checkpoint(cfg: RunConfig) -> bool:
+    """Whether ``cfg``'s checkpoint directory holds a checkpoint to resume from."""
+    if not cfg.checkpoint.dir:
+        return False
+    try:
+        return bool(open_store(cfg.checkpoint.dir).rounds())
+    except (OSError, ValueError):
+        return False

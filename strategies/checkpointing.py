@@ -63,6 +63,8 @@ class ResumePoint:
     strategy_meta: dict[str, Any]
     rows: list[dict[str, Any]] = field(default_factory=list)
     guard: GuardState = field(default_factory=GuardState)
+    # Simulated clients' Context.state (strategies/client_state.py): its tensors and its JSON part.
+    client_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     client_state: dict[str, Any] = field(default_factory=dict)
 
 
@@ -158,7 +160,8 @@ class RoundCheckpointer:
         if self.interval is not None:
             by_rounds = self.interval.due(server_round)
         else:
-            by_rounds = self.every_rounds > 0 and server_round % self.every_rounds == 0
+            every = self.every_rounds
+            by_rounds = isinstance(every, int) and every > 0 and server_round % every == 0
         by_time = self.every_seconds > 0 and time.monotonic() - self._last_time >= self.every_seconds
         return by_rounds or by_time
 
@@ -185,19 +188,25 @@ class RoundCheckpointer:
         rows: list[dict[str, Any]],
         guard: GuardState,
         *,
-        client_state: Mapping[str, Any] | None = None,
+        client_state: tuple[Mapping[str, torch.Tensor], Mapping[str, Any]] | None = None,
+        rng_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
         wait: bool = False,
     ) -> bool:
         """Checkpoint the state after ``server_round``: serialized now, written in the background.
 
-        Returns whether a checkpoint of ``server_round`` exists (now or from an earlier call).
+        ``client_state`` is the simulated clients' state as tensors and JSON metadata
+        (:func:`fedrobust.strategies.client_state.encode`); ``rng_state`` the RNG states to save
+        instead of the current ones (those captured when ``server_round`` ended, when a later round
+        was abandoned). Returns whether a checkpoint of ``server_round`` exists (now or from an
+        earlier call).
         """
         if self.store is None:
             return False
         if server_round != self.last_round:
             strategy_tensors, strategy_meta = strategy_state
-            rng_tensors, rng_meta = capture_rng_state()
-            tensors = join_groups({"model": dict(global_state), "rng": rng_tensors})
+            rng_tensors, rng_meta = rng_state if rng_state is not None else capture_rng_state()
+            client_tensors, client_meta = client_state if client_state is not None else ({}, {})
+            tensors = join_groups({"model": dict(global_state), "rng": rng_tensors, "clients": dict(client_tensors)})
             tensors.update(strategy_tensors)  # already "optimizer/..." and "aggregator/..."
             meta = {
                 CONFIG_HASH_KEY: self.fingerprint,
@@ -207,7 +216,7 @@ class RoundCheckpointer:
                 "rng": rng_meta,
                 "guard": dataclasses.asdict(guard),
                 "rows": rows,
-                "clients": dict(client_state or {}),
+                "clients": dict(client_meta),
             }
             if self.interval is not None:
                 # The restart history and moving averages must outlive the process: the MTBF estimate
@@ -275,6 +284,7 @@ class RoundCheckpointer:
             strategy_meta=meta["strategy"],
             rows=list(meta["rows"]),
             guard=GuardState(**meta["guard"]),
+            client_tensors=dict(groups.get("clients", {})),
             client_state=dict(meta.get("clients", {})),
         )
 

@@ -8,17 +8,21 @@ evaluate, roll back a diverged model, report, checkpoint. Flower's ``Result`` co
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
+from fedrobust.checkpoint import capture_rng_state
+from fedrobust.strategies import client_state
 from fedrobust.strategies.checkpointing import GuardState, RoundCheckpointer, model_is_finite
 from fedrobust.strategies.collect import push_and_collect
 from fedrobust.strategies.discovery import Discovery
@@ -73,6 +77,13 @@ class RoundLoop:
         self.discovery = Discovery(grid, s.partitions, s.answered) if s.discover_partitions else None
         self.guard = GuardState()
         self.result = Result()
+        # Simulated clients' Context.state by partition (strategies/client_state.py): the newest one
+        # each sent, and those restored from a checkpoint that still have to be sent back once.
+        self.client_states: dict[str, RecordDict] = {}
+        self._states_to_send: dict[str, RecordDict] = {}
+        # What a round that is abandoned on a stop request rewinds to; None between rounds.
+        self._round_start: _RoundStart | None = None
+        self._evaluation_incomplete = False  # the last round's federated evaluation missed replies
 
     # ------------------------------------------------------------------ the run
     def run(self, initial_arrays: ArrayRecord) -> Result:
@@ -86,6 +97,8 @@ class RoundLoop:
             arrays = ArrayRecord(resumed.global_state)
             s.load_state_dict(resumed.strategy_tensors, resumed.strategy_meta)
             self.guard = resumed.guard
+            self.client_states = client_state.decode(resumed.client_tensors, resumed.client_state)
+            self._states_to_send = dict(self.client_states)
             self.metrics.restore(resumed.rows)
             for row in resumed.rows:
                 self._record(row)
@@ -101,14 +114,31 @@ class RoundLoop:
             if first_round <= self.num_rounds:
                 self._wait_for_nodes()
             arrays = self._rounds(arrays, first_round)
-        except (Preempted, QuorumError) as stopped:
+        except Exception as err:
+            stopped = self._as_stop(err)
+            if not isinstance(stopped, Preempted | QuorumError):
+                raise
+            rng = None
+            if isinstance(stopped, Preempted) and self._round_start is not None:
+                rng = self._rewind(self._round_start)
             last = self.metrics.rows[-1]["round"] if self.metrics.rows else 0
             saved = last > 0 and self.checkpointer.save(
-                last, self._state_of(self.result.arrays), s.state_dict(), self.metrics.rows, self.guard, wait=True
+                last,
+                self._state_of(self.result.arrays),
+                s.state_dict(),
+                self.metrics.rows,
+                self.guard,
+                client_state=client_state.encode(self.client_states),
+                rng_state=rng,
+                wait=True,
             )
             if isinstance(stopped, Preempted):
                 stopped.checkpointed = bool(saved)
-            raise
+                if saved:
+                    self.metrics.say(f"stopping: the checkpoint of round {last} is on disk")
+            if stopped is err:
+                raise
+            raise stopped from err
         finally:
             self.checkpointer.close()
         self.result.arrays = arrays
@@ -122,9 +152,19 @@ class RoundLoop:
             if s.stop_requested:
                 raise Preempted(f"stopped before round {server_round}")
             round_started = time.perf_counter()
-            before = (arrays, _copy_state(s.state_dict()))
+            self._round_start = _RoundStart(
+                server_round, _copy_state(s.state_dict()), capture_rng_state(), dict(self.client_states)
+            )
+            before = (arrays, self._round_start.strategy_state)
             row, new_arrays = self._train_round(arrays, server_round)
             row.update(self._evaluate(server_round, new_arrays))
+            if s.stop_requested and (row["dropped"] or row["client_errors"] or self._evaluation_incomplete):
+                # Replies lost to the stop (in a simulation the signal may have reached the clients'
+                # workers too): this round is not the one an uninterrupted run computes. Abandon it.
+                raise Preempted(
+                    f"stopped during round {server_round} ({row['dropped']} of {row['sampled']} replies missing); "
+                    "the round was abandoned"
+                )
             if self._diverged(new_arrays, row):
                 arrays, state = before
                 s.load_state_dict(*state)
@@ -147,14 +187,41 @@ class RoundLoop:
             if self.checkpointer.due(server_round) or server_round == self.num_rounds:
                 t0 = time.perf_counter()
                 self.checkpointer.save(
-                    server_round, self._state_of(arrays), s.state_dict(), [*self.metrics.rows, row], self.guard
+                    server_round,
+                    self._state_of(arrays),
+                    s.state_dict(),
+                    [*self.metrics.rows, row],
+                    self.guard,
+                    client_state=client_state.encode(self.client_states),
                 )
                 row["seconds_checkpoint_blocking"] = time.perf_counter() - t0
                 self.checkpointer.observe_checkpoint(row["seconds_checkpoint_blocking"], server_round)
             self.metrics.add(row)
             self._record(row)
+            self._round_start = None
             server_round += 1
         return arrays
+
+    # ------------------------------------------------------------------ stopping
+    def _as_stop(self, err: Exception) -> Exception:
+        """``err`` as the run's reason to stop: once a stop was requested, any failure is that stop.
+
+        When a scheduler signals a whole process group, the simulation's workers die with the
+        server's stop request in flight; the errors that follow are the stop, not a fault.
+        """
+        if isinstance(err, Preempted) or not self.strategy.stop_requested:
+            return err
+        where = f"in round {self._round_start.round}" if self._round_start is not None else "before the first round"
+        message = " ".join(str(err).split())[:300]
+        log.info("stop requested; %s %s: %s", where, type(err).__name__, message)
+        return Preempted(f"stopped {where} (after the stop request: {type(err).__name__}: {message})")
+
+    def _rewind(self, start: _RoundStart) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Restore the strategy and the clients' states of before the abandoned round; its RNG states."""
+        self.strategy.load_state_dict(*start.strategy_state)
+        self.client_states = start.client_states
+        self.metrics.say(f"round {start.round} abandoned on the stop request")
+        return start.rng
 
     # ------------------------------------------------------------------ one round
     def _wait_for_nodes(self) -> None:
@@ -170,6 +237,8 @@ class RoundLoop:
                 have = len(s.answered)
             if have >= need:
                 break
+            if s.stop_requested:
+                raise Preempted("stopped while waiting for nodes")
             if time.monotonic() >= deadline:
                 raise NoNodesError(
                     f"{have} of the {need} nodes needed (min_available_nodes) connected within "
@@ -192,14 +261,13 @@ class RoundLoop:
             attempts = attempt + 1
             if self.discovery is not None:
                 self.discovery.poll()
-            messages = s.train_messages(server_round, arrays, ConfigRecord(dict(self.train_config)), self.grid, attempt=attempt)
-            target = s.planned_replies
+            config = ConfigRecord(dict(self.train_config))
+            messages = s.train_messages(server_round, arrays, config, self.grid, attempt=attempt)
+            self._send_client_states(messages)
             sent, replies = push_and_collect(
-                self.grid,
-                messages,
-                timeout=self.deadline,
-                enough=lambda got: sum(not r.has_error() for r in got) >= target,
+                self.grid, messages, timeout=self.deadline, enough=self._enough_replies(s.planned_replies)
             )
+            self._take_client_states(replies)
             outcome = s.aggregate_round(server_round, replies, sent)
             outcome.sampled = len(messages)
             answered = {r.metadata.reply_to_message_id for r in replies}
@@ -207,10 +275,13 @@ class RoundLoop:
             self._record_liveness(sent, replies, server_round)
             if outcome.aggregated:
                 break
+            if s.stop_requested:
+                raise Preempted(f"stopped in round {server_round}: attempt {attempt + 1} not aggregated")
             if not messages:
                 outcome.why_not_aggregated = "no eligible node to sample"
             self._say_not_aggregated(outcome, attempt)
-            if outcome.client_errors and not outcome.accepted and not outcome.rejected and len(outcome.client_errors) == 1:
+            only_errors = not outcome.accepted and not outcome.rejected
+            if outcome.client_errors and only_errors and len(outcome.client_errors) == 1:
                 message, count = next(iter(outcome.client_errors.items()))
                 if count == len(sent):
                     raise ClientFailureError(
@@ -223,6 +294,12 @@ class RoundLoop:
                 + _errors_text(outcome)
             )
         return self._row(outcome, attempts, time.perf_counter() - t0), outcome.arrays
+
+    def _enough_replies(self, target: int) -> Callable[[list[Message]], bool]:
+        """When to stop waiting: ``target`` valid replies, or a stop request (the round is then
+        finished only when nothing was missing)."""
+        strategy = self.strategy
+        return lambda got: strategy.stop_requested or sum(not r.has_error() for r in got) >= target
 
     def _say_not_aggregated(self, outcome: RoundOutcome, attempt: int) -> None:
         self.metrics.say(
@@ -269,8 +346,12 @@ class RoundLoop:
             if metrics is not None:
                 out.update({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
         messages = list(s.configure_evaluate(server_round, arrays, ConfigRecord(dict(self.evaluate_config)), self.grid))
+        self._evaluation_incomplete = False
         if messages:
-            _, replies = push_and_collect(self.grid, messages, timeout=self.deadline)
+            self._send_client_states(messages)
+            _, replies = push_and_collect(self.grid, messages, timeout=self.deadline, enough=lambda _: s.stop_requested)
+            self._evaluation_incomplete = len(replies) < len(messages) or any(r.has_error() for r in replies)
+            self._take_client_states(replies)
             federated = s.aggregate_evaluate(server_round, replies)
             if federated is not None:
                 out["federated_evaluate"] = {k: float(v) for k, v in federated.items() if isinstance(v, int | float)}
@@ -295,15 +376,40 @@ class RoundLoop:
         self.guard.lr_scale *= s.lr_decay
         s.optimizer.lr = s.server_lr * self.guard.lr_scale
         self.metrics.say(
-            f"round {server_round} diverged (loss {row.get('loss', float('nan')):.4g}, best {self.guard.best_loss:.4g}): "
+            f"round {server_round} diverged (loss {row.get('loss', float('nan')):.4g}, "
+            f"best {self.guard.best_loss:.4g}): "
             f"rolled back, server lr now {s.optimizer.lr:.4g}"
         )
+
+    # ------------------------------------------------------------------ clients' state (simulation)
+    def _client_key(self, node_id: int) -> str:
+        """Partition ids survive a restart of the simulation; node ids are drawn anew."""
+        partition = self.strategy.partitions.get(node_id)
+        return str(partition) if partition is not None else f"node-{node_id}"
+
+    def _send_client_states(self, messages: list[Message]) -> None:
+        """Give back each restored state with the first messages to its client after a resume."""
+        for message in messages:
+            state = self._states_to_send.get(self._client_key(message.metadata.dst_node_id))
+            if state is not None:
+                client_state.put_state(message.content, state)
+
+    def _take_client_states(self, replies: list[Message]) -> None:
+        """Keep the state each reply carries, and remove it from the reply."""
+        for reply in replies:
+            if reply.has_error():
+                continue
+            state = client_state.take_state(reply.content)
+            if state is not None:
+                key = self._client_key(reply.metadata.src_node_id)
+                self.client_states[key] = state
+                self._states_to_send.pop(key, None)
 
     # ------------------------------------------------------------------ Result
     def _record(self, row: dict[str, Any]) -> None:
         """Put one round's metrics into Flower's Result."""
         r = row["round"]
-        train = {k: row[k] for k in ("accepted", "dropped", "attempts", "f_used") if k in row}
+        train: dict[str, Any] = {k: row[k] for k in ("accepted", "dropped", "attempts", "f_used") if k in row}
         train["rejected"] = sum(row.get("rejected", {}).values())
         train.update({f"rejected.{k}": v for k, v in row.get("rejected", {}).items()})
         train.update({k: v for k, v in row.items() if k.startswith("train_")})
@@ -330,12 +436,27 @@ _OWN_KEYS = frozenset(
 
 
 def _central_keys(row: dict[str, Any]) -> list[str]:
-    return [k for k, v in row.items() if k not in _OWN_KEYS and not k.startswith("train_") and isinstance(v, int | float)]
+    return [
+        k for k, v in row.items() if k not in _OWN_KEYS and not k.startswith("train_") and isinstance(v, int | float)
+    ]
 
 
-def _copy_state(state: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+StrategyState = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
+
+def _copy_state(state: StrategyState) -> StrategyState:
     tensors, meta = state
-    return {k: v.clone() for k, v in tensors.items()}, meta
+    return {k: v.clone() for k, v in tensors.items()}, copy.deepcopy(meta)
+
+
+@dataclass
+class _RoundStart:
+    """The state a round began from, restored when the round is abandoned on a stop request."""
+
+    round: int
+    strategy_state: tuple[dict[str, torch.Tensor], dict[str, Any]]
+    rng: tuple[dict[str, torch.Tensor], dict[str, Any]]
+    client_states: dict[str, RecordDict]
 
 
 def _errors_text(outcome: RoundOutcome) -> str:

@@ -1,14 +1,19 @@
-"""The server's own faults, with real processes and real signals.
+"""Faults of real processes: the server's (signals, kill -9, corrupted checkpoints) and a client's.
 
 One reference run goes uninterrupted. A second run of the same config is stopped with
 SIGTERM (it must checkpoint and exit 75), resumed and then killed with SIGKILL at a random
 moment (possibly while a checkpoint is being written); its newest checkpoint is then
 corrupted, and a last resume must fall back to the previous checkpoint and still end
-with final model bytes identical to the reference run's.
+with final model bytes identical to the reference run's. A simulated client whose process dies
+inside its ClientApp (os._exit) is a dropped reply; the round completes.
+
+The helpers here (the Hydra command, starting it in a session of its own, waiting for a log line,
+checking the checkpoints on disk) serve the other process-level tests too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -18,9 +23,15 @@ import time
 from pathlib import Path
 
 import pytest
+from flwr.app import Message
+from flwr.simulation import run_simulation
 
+from experiments.simulate import backend_config
+from fedrobust.checkpoint import CheckpointStore
 from fedrobust.strategies.errors import EXIT_PREEMPTED
+from fedrobust.strategies.server_app import make_server_app
 from tests.flower_processes import Proc, descendants, stop
+from tests.simulation_helpers import read_rows, small_config, tampering_client
 
 pytestmark = pytest.mark.slow
 
@@ -28,90 +39,136 @@ ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 6
 
 
-def _command(run_dir: Path, ckpt_dir: Path) -> list[str]:
+def hydra_command(run_dir: Path, ckpt_dir: Path, *overrides: str, rounds: int = ROUNDS) -> list[str]:
+    """The Hydra entry point on 5 clients (one Byzantine), checkpointing every round into ``ckpt_dir``."""
     return [
         sys.executable,
         "-m",
         "experiments.run",
         "num_clients=5",
         "clients_per_round=5",
-        f"num_rounds={ROUNDS}",
+        f"num_rounds={rounds}",
         "num_byzantine=1",
         "aggregator=trimmed_mean",
         f"checkpoint.dir={ckpt_dir}",
         f"hydra.run.dir={run_dir}",
+        *overrides,
     ]
 
 
-def _start(run_dir: Path, ckpt_dir: Path, log: Path) -> Proc:
+def start(command: list[str], log: Path) -> Proc:
+    """``command`` in a session of its own: its pid is its process group's id, as a batch job's."""
     env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
     with log.open("ab") as out:
         popen = subprocess.Popen(
-            _command(run_dir, ckpt_dir), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     return Proc(name=log.stem, popen=popen, log_path=log)
 
 
-def _wait_for(proc: Proc, text: str, timeout: float = 180.0) -> None:
+def wait_for(proc: Proc, text: str, timeout: float = 240.0) -> None:
+    """Until ``text`` is in the process's log (fails when it exits first or after ``timeout``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if text in proc.log_path.read_text(errors="replace"):
             return
         if not proc.alive():
             pytest.fail(f"{proc.name} exited {proc.popen.returncode} before {text!r}:\n{proc.tail()}")
-        time.sleep(0.1)
+        time.sleep(0.05)
     pytest.fail(f"{proc.name}: no {text!r} after {timeout} s:\n{proc.tail()}")
 
 
-def _finish(proc: Proc, timeout: float = 240.0) -> int:
+def finish(proc: Proc, timeout: float = 300.0) -> int:
+    """The exit code (the process and what it left behind are stopped in any case)."""
     try:
         return proc.popen.wait(timeout=timeout)
     finally:
         stop(proc)
 
 
-def _rounds(ckpt_dir: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in ckpt_dir.glob("round-*") if (p / "manifest.json").exists())
+def kill_tree(proc: Proc) -> None:
+    """SIGKILL to the process's group and to every descendant (Ray's processes start sessions of their own)."""
+    tree = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid, _start_time in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def rounds_on_disk(ckpt_dir: Path) -> list[int]:
+    """Rounds with a checkpoint directory, after checking that none lacks its manifest (half-written)."""
+    dirs = sorted(ckpt_dir.glob("round-*"))
+    assert all((p / "manifest.json").exists() for p in dirs), [p.name for p in dirs]
+    return [int(p.name.split("-")[1]) for p in dirs]
+
+
+def committed(ckpt_dir: Path) -> int:
+    """The newest round, after checking that every entry is a complete checkpoint and the newest verifies."""
+    entries = sorted(p.name for p in ckpt_dir.iterdir())
+    assert all(name.startswith("round-") for name in entries), f"half-written or leftover entries: {entries}"
+    rounds = rounds_on_disk(ckpt_dir)
+    newest = CheckpointStore(str(ckpt_dir)).latest_valid()
+    assert newest is not None and newest.round == rounds[-1], entries
+    return newest.round
 
 
 def test_sigterm_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_path: Path) -> None:
-    reference = _start(tmp_path / "ref", tmp_path / "ref-ckpt", tmp_path / "ref.log")
-    assert _finish(reference) == 0, reference.tail()
+    reference = start(hydra_command(tmp_path / "ref", tmp_path / "ref-ckpt"), tmp_path / "ref.log")
+    assert finish(reference) == 0, reference.tail()
     expected = (tmp_path / "ref" / "final_model.safetensors").read_bytes()
 
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     # 1. Preemption: SIGTERM after round 2 -> checkpoint written, exit code 75.
-    first = _start(run_dir, ckpt, tmp_path / "first.log")
-    _wait_for(first, "[round   2/")
+    first = start(hydra_command(run_dir, ckpt), tmp_path / "first.log")
+    wait_for(first, "[round   2/")
     first.popen.send_signal(signal.SIGTERM)
-    assert _finish(first) == EXIT_PREEMPTED, first.tail()
+    assert finish(first) == EXIT_PREEMPTED, first.tail()
     assert "checkpoint written" in first.log_path.read_text()
-    stopped_at = max(_rounds(ckpt))
+    stopped_at = committed(ckpt)
     assert stopped_at >= 2
 
     # 2. Resume, then kill -9 the whole process tree at a random moment after round 4 began.
-    second = _start(run_dir, ckpt, tmp_path / "second.log")
-    _wait_for(second, f"resumed after round {stopped_at}")
-    _wait_for(second, f"[round   {stopped_at + 1}/")
+    second = start(hydra_command(run_dir, ckpt), tmp_path / "second.log")
+    wait_for(second, f"resumed after round {stopped_at}")
+    wait_for(second, f"[round   {stopped_at + 1}/")
     time.sleep(random.uniform(0.0, 1.5))
-    tree = descendants(second.pid)
-    os.killpg(second.pid, signal.SIGKILL)
-    for pid, _start_time in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    _finish(second)
-    committed = _rounds(ckpt)
-    assert committed and max(committed) > stopped_at
+    kill_tree(second)
+    assert finish(second) == -signal.SIGKILL
+    kept = rounds_on_disk(ckpt)
+    assert kept and max(kept) > stopped_at
 
     # 3. Corrupt the newest checkpoint: the resume must detect it and use the one before.
-    newest = ckpt / f"round-{max(committed):06d}" / "tensors.safetensors"
+    newest = ckpt / f"round-{max(kept):06d}" / "tensors.safetensors"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
-    third = _start(run_dir, ckpt, tmp_path / "third.log")
-    assert _finish(third) == 0, third.tail()
+    third = start(hydra_command(run_dir, ckpt), tmp_path / "third.log")
+    assert finish(third) == 0, third.tail()
     log = third.log_path.read_text()
-    assert "resumed after round" in log and f"resumed after round {max(committed)}" not in log
+    assert "resumed after round" in log and f"resumed after round {max(kept)}" not in log
     assert (run_dir / "final_model.safetensors").read_bytes() == expected
+
+
+def test_a_client_process_dying_inside_the_clientapp_counts_as_dropped_and_the_run_completes(tmp_path: Path) -> None:
+    """os._exit in one node's ClientApp kills its simulation worker (a Ray actor process) in round 2.
+
+    Only that reply is lost: the worker comes back for round 3 (without max_restarts, Flower's pool
+    keeps the dead actor and later rounds lose every message it is given).
+    """
+    cfg = small_config(tmp_path, num_rounds=3, **{"aggregator.name": "median", "fault.round_timeout": 120.0})
+
+    def die(partition: int, server_round: int, _reply: Message) -> None:
+        if partition == 0 and server_round == 2:
+            os._exit(3)
+
+    run_simulation(
+        server_app=make_server_app(cfg, out_dir=Path(cfg.output_dir)),
+        client_app=tampering_client(cfg, die),
+        num_supernodes=cfg.num_clients,
+        backend_config=backend_config(cfg),  # as python -m experiments.run runs it
+    )
+    rows = read_rows(Path(cfg.output_dir))
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [(r["accepted"], r["dropped"]) for r in rows] == [(5, 0), (4, 1), (5, 0)]
+    assert rows[1]["dropped_nodes"][0]["partition"] == 0 and all(r["aggregated"] for r in rows)
+    assert (Path(cfg.output_dir) / "final_model.safetensors").exists()

@@ -1,0 +1,139 @@
+"""Simulated clients' Context.state is saved with the round checkpoints and given back on resume.
+
+The ``stale`` attack keeps the update it captured in round 1 in its node's context and replays it
+in every later round; a resumed run that lost that memory captures anew and ends with other bytes.
+In-process: a stop after round 2 and a resume. With real processes (slow): the Hydra entry point
+killed with SIGKILL (the whole process group, Ray included) at a random moment after round 2.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from experiments.inprocess import run_inprocess
+from fedrobust import Preempted
+from fedrobust.clients.client_app import make_client_app
+from fedrobust.strategies import client_state
+from tests.simulation_helpers import small_config
+from tests.test_fault_processes import committed, finish, hydra_command, kill_tree, rounds_on_disk, start, wait_for
+
+STALE = {"attack.name": "stale", "num_byzantine": 2, "aggregator.name": "mean", "num_rounds": 4}
+ROUNDS = 5
+
+
+def _client(cfg, at_round: int, before_train) -> ClientApp:
+    """The real ClientApp; ``before_train(context)`` runs when round ``at_round`` trains."""
+    honest = make_client_app(cfg)
+    app = ClientApp()
+    app.query()(honest)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if int(msg.content["config"]["server-round"]) == at_round:
+            before_train(context)
+        return honest(msg, context)
+
+    return app
+
+
+def _stopping_client(cfg, strategies, at_round: int) -> ClientApp:
+    """The server is asked to stop while ``at_round`` trains."""
+    return _client(cfg, at_round, lambda _context: strategies[0].request_stop())
+
+
+def _forget(context: Context) -> None:
+    for name in list(context.state):
+        del context.state[name]
+
+
+def _final(out: Path) -> bytes:
+    return (out / "final_model.safetensors").read_bytes()
+
+
+def test_client_state_codec_round_trips_every_record_kind() -> None:
+    state = RecordDict(
+        {
+            "attack-state": ArrayRecord({"update.w": torch.arange(6.0).reshape(2, 3), "round": torch.tensor(3)}),
+            "cfg": ConfigRecord({"b": b"\x00\xff", "n": [1, 2], "s": "x", "f": 1.5, "t": True}),
+            "m": MetricRecord({"loss": 0.25, "steps": [1, 2]}),
+        }
+    )
+    tensors, meta = client_state.encode({"3": state})
+    back = client_state.decode(tensors, json.loads(json.dumps(meta)))["3"]
+    assert list(back.keys()) == list(state.keys())
+    arrays = back["attack-state"].to_torch_state_dict()
+    assert torch.equal(arrays["update.w"], torch.arange(6.0).reshape(2, 3)) and int(arrays["round"]) == 3
+    assert dict(back["cfg"]) == dict(state["cfg"]) and dict(back["m"]) == dict(state["m"])
+    content = RecordDict({"config": ConfigRecord({"a": 1})})
+    client_state.put_state(content, back)
+    taken = client_state.take_state(content)
+    assert list(content.keys()) == ["config"] and taken is not None and list(taken.keys()) == list(state.keys())
+
+
+def test_stateful_clients_resume_in_process_to_identical_bytes(tmp_path: Path) -> None:
+    reference = small_config(tmp_path, output_dir=str(tmp_path / "ref"), **STALE)
+    run_inprocess(reference, tmp_path / "ref")
+    expected = _final(tmp_path / "ref")
+
+    cfg = small_config(
+        tmp_path, output_dir=str(tmp_path / "run"), **STALE, **{"checkpoint.dir": str(tmp_path / "ckpt")}
+    )
+    strategies: list = []
+    with pytest.raises(Preempted) as stopped:
+        run_inprocess(
+            cfg, tmp_path / "run", client_app=_stopping_client(cfg, strategies, 2), on_strategy=strategies.append
+        )
+    assert stopped.value.checkpointed
+    saved = json.loads((tmp_path / "ckpt" / "round-000002" / "meta.json").read_text())["meta"]["clients"]
+    assert sorted(saved) == ["0", "1", "2", "3", "4"]  # by partition: node ids change when a simulation restarts
+    assert sorted(len(records) for records in saved.values()) == [0, 0, 0, 1, 1]  # the two stale clients' memory
+
+    rows = run_inprocess(cfg, tmp_path / "run")
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert _final(tmp_path / "run") == expected
+
+    # The property is not vacuous: a resume whose clients forget what they were given ends elsewhere.
+    lost = small_config(
+        tmp_path, output_dir=str(tmp_path / "lost"), **STALE, **{"checkpoint.dir": str(tmp_path / "ckpt2")}
+    )
+    strategies = []
+    with pytest.raises(Preempted):
+        run_inprocess(
+            lost, tmp_path / "lost", client_app=_stopping_client(lost, strategies, 2), on_strategy=strategies.append
+        )
+    run_inprocess(lost, tmp_path / "lost", client_app=_client(lost, 3, _forget))  # as a restarted simulation's nodes
+    assert _final(tmp_path / "lost") != expected
+
+
+@pytest.mark.slow
+def test_stateful_clients_resume_after_kill9_of_the_process_group_to_identical_bytes(tmp_path: Path) -> None:
+    stale = ("attack=stale", "num_byzantine=2", "aggregator=mean", "server_optimizer=fedadam")
+    reference = start(
+        hydra_command(tmp_path / "ref", tmp_path / "ref-ckpt", *stale, rounds=ROUNDS), tmp_path / "ref.log"
+    )
+    assert finish(reference) == 0, reference.tail()
+    expected = (tmp_path / "ref" / "final_model.safetensors").read_bytes()
+
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    first = start(hydra_command(run_dir, ckpt, *stale, rounds=ROUNDS), tmp_path / "first.log")
+    wait_for(first, "[round   2/")
+    time.sleep(random.uniform(0.0, 0.5))  # anywhere in round 3, possibly while round 2's checkpoint is written
+    kill_tree(first)
+    assert finish(first) == -signal.SIGKILL
+    killed_after = max(rounds_on_disk(ckpt))  # a write cut short leaves a temporary directory, never a round
+    assert killed_after >= 1
+
+    second = start(hydra_command(run_dir, ckpt, *stale, rounds=ROUNDS), tmp_path / "second.log")
+    assert finish(second) == 0, second.tail()
+    assert f"resumed after round {killed_after}" in second.log_path.read_text()
+    assert (run_dir / "final_model.safetensors").read_bytes() == expected
+    assert committed(ckpt) == ROUNDS  # the dead writer's leftovers were cleaned up
