@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
-# Sets up .venv on first use, then runs the test suite. pytest options may follow.
+# Sets up .venv on first use, then checks and tests the project.
+#   bash tests/run.sh            lint (ruff, mypy), the fast tier (stops at its first failure), then
+#                                the slow tier (real simulations, processes, deployment)
+#   bash tests/run.sh ARGS...    pytest ARGS only, e.g. -m "not slow", or a test file
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/setup.sh"
 cd "$FEDROBUST_ROOT"
-exec "$FEDROBUST_VENV/bin/python" -m pytest "$@"
+py="$FEDROBUST_VENV/bin/python"
+if [ "$#" -gt 0 ]; then
+  exec "$py" -m pytest "$@"
+fi
+echo "== lint: ruff, mypy"
+"$py" -m ruff check .
+bash scripts/typecheck.sh
+echo "== fast tier"
+"$py" -m pytest -q -x -m "not slow"
+echo "== slow tier"
+"$py" -m pytest -q -m slow --durations=10
