@@ -53,14 +53,16 @@ def push_and_collect(
     pending = set(sent)
     replies: list[Message] = []
     deadline = time.monotonic() + timeout
+    ended_early = False
     while pending and time.monotonic() < deadline:
         for reply in grid.pull_messages(list(pending)):
             pending.discard(reply.metadata.reply_to_message_id)
             replies.append(reply)
         if enough is not None and enough(replies):
+            ended_early = True  # enough replies, or a stop request: the rest did not miss a deadline
             break
         if pending:
             time.sleep(POLL_SECONDS)
-    if pending:
+    if pending and not ended_early:
         log.info("%d of %d replies missed the %.0f s deadline", len(pending), len(sent), timeout)
     return sent, replies
