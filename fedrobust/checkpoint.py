@@ -86,6 +86,7 @@ CONFIG_HASH_KEY = "config_hash"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+_ASIDE_PREFIX = "aside-"  # checkpoints set aside by a fresh start: kept, never listed as rounds
 _LEFTOVER = re.compile(r"^\.(?:tmp|trash)-round-\d+-(\d+)$")
 _GROUP_SEP = "/"
 
@@ -364,6 +365,8 @@ class CheckpointStore:
             raise TypeError(f"storage_options must be a mapping, got {type(storage_options).__name__}")
         self.url = url
         self.keep = keep
+        # Why each checkpoint the last latest_valid() passed over failed verification ("<path>: <reason>").
+        self.skipped: list[str] = []
         self.full_every = full_every
         # A fresh filesystem object: fsspec's instance cache is keyed on the arguments only, so a
         # cached one would keep an endpoint or credentials read from an environment since changed.
@@ -661,6 +664,7 @@ class CheckpointStore:
             If the newest valid checkpoint's config hash differs from ``config_hash`` and not ``force``.
             Older checkpoints are not searched for a matching hash: they belong to the same history.
         """
+        self.skipped = []
         for round_, name in sorted(self._list_round_dirs(), reverse=True):
             checkpoint = self._try_load(round_, name)
             if checkpoint is not None:
@@ -671,8 +675,29 @@ class CheckpointStore:
         try:
             return self._load_verified(round_, name)
         except (_InvalidCheckpoint, OSError, ValueError, SafetensorError) as exc:
-            logger.warning("skipping checkpoint %s: %s", self._display(self._join(name)), exc)
+            where = self._display(self._join(name))
+            logger.warning("skipping checkpoint %s: %s", where, exc)
+            self.skipped.append(f"{where}: {exc}")
             return None
+
+    def set_aside(self) -> list[str]:
+        """Move every ``round-*`` directory to ``aside-<time>-round-*`` (never deleted); their new names.
+
+        For a fresh start over checkpoints that are corrupt or belong to another run: they stay for
+        inspection, and no longer count as this store's checkpoints.
+        """
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = []
+        for _, name in self._list_round_dirs():
+            target = f"{_ASIDE_PREFIX}{stamp}-{name}"
+            if self._local:
+                os.replace(self._join(name), self._join(target))
+            else:
+                self._fs.mv(self._join(name), self._join(target), recursive=True)
+            moved.append(self._display(self._join(target)))
+        if moved and self._local:
+            _fsync_dir(self._root)
+        return moved
 
     def _load_verified(self, round_: int, name: str) -> Checkpoint:
         manifest, _, contents = self._read_verified(round_, name)
@@ -1192,6 +1217,7 @@ class MirroredStore:
         An unreachable remote is logged at WARNING and only the local store is searched.
         """
         candidates: list[tuple[int, int, CheckpointStore, str]] = []
+        self.local.skipped, self.remote.skipped = [], []
         for preference, store in ((1, self.local), (0, self.remote)):
             try:
                 listed = store._list_round_dirs()
@@ -1208,6 +1234,20 @@ class MirroredStore:
             if checkpoint is not None:
                 return _check_config_hash(checkpoint, config_hash, force)
         return None
+
+    @property
+    def skipped(self) -> list[str]:
+        """Why each checkpoint the last :meth:`latest_valid` passed over failed, in either place."""
+        return [*self.local.skipped, *self.remote.skipped]
+
+    def set_aside(self) -> list[str]:
+        """:meth:`CheckpointStore.set_aside` in both places (an unreachable mirror is logged and left)."""
+        moved = self.local.set_aside()
+        try:
+            moved += self.remote.set_aside()
+        except Exception as exc:
+            logger.warning("cannot set aside the checkpoints of the mirror %s: %s", self.remote.url, exc)
+        return moved
 
 
 def open_store(

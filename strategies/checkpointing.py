@@ -239,19 +239,26 @@ class RoundCheckpointer:
         CheckpointMismatchError
             The newest valid checkpoint was saved with other settings (named) and not ``force``.
         NoValidCheckpointError
-            Checkpoints exist but none verifies (each reason was logged); move them aside or
-            set ``resume='never'`` to start fresh.
+            Checkpoints exist but none verifies; the message lists each one with its reason.
+            ``resume='never'`` starts fresh and moves them aside (``aside-<time>-round-*``).
         """
-        if self.store is None or self.resume == "never":
+        if self.store is None:
+            return None
+        if self.resume == "never":
+            # A fresh start keeps what was there: earlier (or corrupt) checkpoints are moved aside, not deleted.
+            moved = self.store.set_aside()
+            if moved:
+                log.warning("starting fresh (resume=never): moved %d earlier checkpoint(s) aside: %s",
+                            len(moved), ", ".join(moved))
             return None
         checkpoint = self.store.latest_valid(None)
         if checkpoint is None:
             if self.store.rounds():
                 where = self.url if self.mirror is None else f"{self.url} or its mirror {self.mirror}"
                 raise NoValidCheckpointError(
-                    f"no checkpoint in {where} verifies (rounds {self.store.rounds()}; reasons in the log "
-                    "above). Move them aside to keep them, or start fresh with resume='never' "
-                    "(checkpoint.resume=never)."
+                    f"no checkpoint in {where} verifies: " + "; ".join(self.store.skipped)
+                    + ". Start fresh with resume='never' (checkpoint.resume=never): they are moved aside, not "
+                    "deleted."
                 )
             return None
         meta = checkpoint.meta

@@ -1,0 +1,55 @@
+"""A resume over corrupt checkpoints names each one and its reason; a fresh start keeps them aside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedrobust.strategies.checkpointing import GuardState, NoValidCheckpointError, RoundCheckpointer
+
+
+def _checkpointer(url: Path, resume: str = "auto") -> RoundCheckpointer:
+    return RoundCheckpointer(str(url), settings={"lr": 0.1}, keep=3, resume=resume)
+
+
+def _save_rounds(url: Path, rounds: int) -> None:
+    checkpointer = _checkpointer(url)
+    assert checkpointer.restore() is None
+    for r in range(1, rounds + 1):
+        checkpointer.save(r, {"w": torch.full((4,), float(r))}, ({}, {}), [], GuardState(), wait=True)
+
+
+def test_all_corrupt_checkpoints_stop_the_resume_with_each_reason(tmp_path: Path) -> None:
+    url = tmp_path / "ck"
+    _save_rounds(url, 2)
+    (url / "round-000002" / "meta.json").write_text("{ not json")
+    tensors = next(p for p in (url / "round-000001").iterdir() if p.suffix == ".safetensors")
+    tensors.write_bytes(tensors.read_bytes()[:-3])  # truncated
+    with pytest.raises(NoValidCheckpointError) as refused:
+        _checkpointer(url).restore()
+    message = str(refused.value)
+    assert "round-000002" in message and "round-000001" in message, message
+    assert message.index("round-000002") < message.index("round-000001")  # newest first, as tried
+    assert "checkpoint.resume=never" in message
+    # Nothing was touched by the refusal.
+    assert sorted(p.name for p in url.iterdir()) == ["round-000001", "round-000002"]
+
+
+def test_a_fresh_start_moves_earlier_checkpoints_aside_and_never_deletes_them(tmp_path: Path) -> None:
+    url = tmp_path / "ck"
+    _save_rounds(url, 2)
+    before = {p.name: p.read_bytes() for p in (url / "round-000002").iterdir()}
+    fresh = _checkpointer(url, resume="never")
+    assert fresh.restore() is None
+    fresh.save(1, {"w": torch.zeros(4)}, ({}, {}), [], GuardState(), wait=True)
+    names = sorted(p.name for p in url.iterdir())
+    aside = [n for n in names if n.startswith("aside-")]
+    assert [n.rsplit("-", 1)[-1] for n in aside] == ["000001", "000002"], names
+    assert "round-000001" in names and "round-000002" not in names
+    kept = next(url / n for n in aside if n.endswith("round-000002"))
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before  # byte for byte
+    # The moved checkpoints no longer count: a resume now finds the fresh run's round 1.
+    resumed = _checkpointer(url).restore()
+    assert resumed is not None and resumed.round == 1
