@@ -74,7 +74,7 @@ DRILL_APP = REPO / "examples" / "byzantine-drill"  # ClientApp fedrobust.clients
 FEDERATION = "fedrobust-edge"
 NUM_NODES = 5
 NUM_ROUNDS = 3  # the signed drill run
-UNSIGNED_ROUNDS = 2  # the run with signing off, before it
+UNSIGNED_ROUNDS = 1  # the run with signing off, before it: one round shows signing off completes
 BYZANTINE = 3  # attack=ATTACK in its node config, trusted key
 ATTACK = "nan"  # its update is signed, then refused by validation: a trace of the attack in every round
 FORGER = 4  # signs with a key the server does not trust
