@@ -366,6 +366,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--strategy", action="store_true", help="also time RobustStrategy.aggregate_train itself for each rule"
     )
+    parser.add_argument(
+        "--bare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the bare path of each rule (default); --no-bare with --strategy times only the strategy",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="rounds per process (round 2 reuses the strategy)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per entry; the fastest is shown")
     parser.add_argument("--threads", type=int, default=1, help="torch/BLAS/OpenMP threads per process (default 1)")
@@ -387,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(shapes)} tensors, f={byzantine_count(args.n)}, {args.threads} thread(s), torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
-    entries = flower + rules + ([f"strategy:{r}" for r in rules] if args.strategy else [])
+    entries = flower + (rules if args.bare else []) + ([f"strategy:{r}" for r in rules] if args.strategy else [])
     results: dict[str, list[list[dict[str, float]]]] = {e: [] for e in entries}
     for _ in range(args.repeats):  # interleaved, so that load changes hit every entry alike
         for entry in entries:

@@ -129,6 +129,18 @@ class UpdateMatrix:
         self._load_global(template)
         self._len = 0
 
+    def touch(self) -> None:
+        """Map every page of the matrix now, by writing zeros over all ``capacity`` rows.
+
+        A new matrix is reserved, not resident: its first round pays a page fault per page
+        while the replies are written (on a VM about ten times the cost of the write itself,
+        and huge pages do not help there: the host faults per page too). A server calls this
+        while its clients train, when it is otherwise idle, so that the first round's rows go
+        into resident memory as every later round's do. It overwrites the rows: call it only
+        before a round's first :meth:`add`, never concurrently with it.
+        """
+        self._matrix.zero_()
+
     # ------------------------------------------------------------------ filling
     def add(self, arrays: Mapping[str, ArrayLike], *, full_weights: bool) -> Rejection | None:
         """Check one reply and write its update into the next free row, in one pass over its bytes.

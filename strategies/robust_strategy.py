@@ -384,6 +384,7 @@ class RobustStrategy(Strategy):
         self._global_arrays: ArrayRecord | None = None
         # Kept across rounds: a fresh [n, d] matrix costs a page fault per 4 KiB on first write.
         self._matrix: UpdateMatrix | None = None
+        self._touching: threading.Thread | None = None  # makes a new matrix resident while clients train
         self._step_out: torch.Tensor | None = None  # the new global vector, copied into the ArrayRecord
         self._stop = threading.Event()
         self._rules: dict[int, aggregators.Aggregator] = {num_byzantine: self.aggregator}
@@ -466,6 +467,7 @@ class RobustStrategy(Strategy):
         if self.fraction_train == 0.0:
             return []
         nodes = self.sample(server_round, self.refresh_liveness(grid, server_round), attempt)
+        self._reserve_rows(len(nodes))
         return [self._message(node, server_round, arrays, config, MessageType.TRAIN) for node in nodes]
 
     def _message(
@@ -690,9 +692,27 @@ class RobustStrategy(Strategy):
             accepted = self._run_hook(server_round, accepted, matrix, outcome)
         return accepted
 
+    def _reserve_rows(self, count: int) -> None:
+        """Have the update matrix for ``count`` replies resident before they arrive.
+
+        A matrix built now (first round, more nodes than before, another model) is touched
+        in a background thread while the clients train; the page faults of a first write
+        then cost no time on the reply path. :meth:`_matrix_for` waits for that thread.
+        """
+        if count == 0:
+            return
+        current = self._matrix
+        matrix = self._matrix_for(count)
+        if matrix is not current:
+            self._touching = threading.Thread(target=matrix.touch, name="fedrobust-touch-rows", daemon=True)
+            self._touching.start()
+
     def _matrix_for(self, capacity: int) -> UpdateMatrix:
         """The strategy's update matrix, reset to this round's global model, with room for ``capacity`` rows."""
         assert self._global is not None
+        if self._touching is not None:  # rows are written only once the touch is over
+            self._touching.join()
+            self._touching = None
         max_norm = self.max_update_norm or 0.0
         matrix = self._matrix
         if matrix is not None and matrix.capacity >= capacity:

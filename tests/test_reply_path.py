@@ -181,6 +181,19 @@ def test_matrix_grows_with_more_replies_and_follows_a_new_model() -> None:
     assert arrays is not None and strategy._matrix.dim == 6
 
 
+def test_configure_train_reserves_the_rows_and_aggregation_writes_into_them() -> None:
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, min_train_nodes=5, progress=False)
+    state = _global()
+    instructions = _instructions(strategy, state, 5, 1)
+    reserved = strategy._matrix  # built (and touched in the background) before any reply
+    assert reserved is not None and reserved.capacity == len(instructions) == 5
+    replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, _locals(state, 5, 1), strict=True)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None
+    assert strategy._matrix is reserved and strategy._touching is None
+    assert len(reserved) == 5 and bool(reserved.norms().gt(0).all())
+
+
 def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
     seen = {}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import flwr.app  # noqa: F401  imported before the warnings filters below: click warns on import
@@ -308,6 +309,26 @@ def test_reset_reuses_the_storage_with_the_new_global_model() -> None:
     assert torch.equal(matrix.rows()[0], flatten([{k: local[k] - moved[k] for k in keys}], keys)[0])
     with pytest.raises(ValueError, match="differs"):
         matrix.reset({**template, "fc.bias": torch.zeros(6)})
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_touch_makes_all_rows_resident_and_rows_are_written_as_before() -> None:
+    template = {"w": torch.zeros(1 << 20)}  # 4 MiB a row
+    matrix = UpdateMatrix(template, 16)  # 64 MiB reserved
+    before = _resident_bytes()
+    assert matrix.add({"w": np.ones(1 << 20, np.float32)}, full_weights=True) is None
+    assert _resident_bytes() - before < 16 << 20  # reserved, not resident: one row was written
+    matrix.reset(template)
+    matrix.touch()
+    assert _resident_bytes() - before > 56 << 20
+    assert len(matrix) == 0
+    assert matrix.add({"w": np.full(1 << 20, 2.0, np.float32)}, full_weights=True) is None
+    assert torch.equal(matrix.rows(), torch.full((1, 1 << 20), 2.0))
+    assert matrix.norms().tolist() == [2.0 * 1024]
 
 
 def test_cached_headers_still_give_each_array_its_own_shape_and_dtype() -> None:
