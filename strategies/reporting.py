@@ -57,7 +57,9 @@ def progress_line(row: dict[str, Any], num_rounds: int) -> str:
     rejected = row.get("rejected", {})
     why = " ".join(f"{k}={v}" for k, v in sorted(rejected.items()))
     evaluation = "".join(
-        f"{name} {row[name]:.4f}  " for name in ("accuracy", "loss") if isinstance(row.get(name), int | float)
+        f"{name} {row[name]:.4f}  "
+        for name in ("accuracy", "loss", "backdoor_asr")
+        if isinstance(row.get(name), int | float)
     )
     errors = row.get("client_errors", {})
     return (
@@ -104,6 +106,9 @@ def summary_text(rows: list[dict[str, Any]], seconds: float) -> str:
             + f"  (best {best['accuracy']:.4f} in round {best['round']}, "
             f"worst {min(r['accuracy'] for r in scored) if scored else float('nan'):.4f})"
         )
+    if isinstance(last.get("backdoor_asr"), int | float):
+        lines.append(f"final backdoor attack success rate {last['backdoor_asr']:.4f} (triggered test inputs of other "
+                     "classes classified as the target)")
     lines += [
         f"replies accepted {sum(r['accepted'] for r in rows)}, rejected {sum(rejected.values())}"
         + (f" {dict(sorted(rejected.items()))}" if rejected else "")

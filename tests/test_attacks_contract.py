@@ -34,7 +34,7 @@ D = sum(math.prod(shape) for k, (shape, _) in TEMPLATE.items() if k in FLOAT_KEY
 CLIENT = attacks.client_names()
 OMNISCIENT = attacks.omniscient_names()
 # Client attacks that act on the update itself (the others act on data or on the reported weight).
-UPDATE_ATTACKS = [name for name in CLIENT if name not in ("label_flip", "lying_weight", "malformed")]
+UPDATE_ATTACKS = [name for name in CLIENT if name not in ("label_flip", "lying_weight", "malformed", "backdoor")]
 
 # Non-default settings that take other code paths, checked by the generic tests besides each default build.
 VARIANTS: list[tuple[str, dict[str, object]]] = [
@@ -50,6 +50,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("fang_trimmed_mean", {"b": 4.0}),
     ("optimal_alie", {"rule": "krum", "grid": 5, "refine": 3}),
     ("optimal_ipm", {"rule": "centered_clipping", "rule_f": 2, "rule_params": {"tau": "auto"}}),
+    ("backdoor", {"boost": 5.0, "value": 3.0, "target": 3}),
 ]
 CONFIGS = [(name, {}) for name in attacks.names()] + VARIANTS
 CLIENT_CONFIGS = [(name, params) for name, params in CONFIGS if name in CLIENT]
@@ -63,6 +64,9 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "nan": [("fraction", 0.0), ("fraction", 1.5)],
     "inf": [("fraction", -0.1)],
     "malformed": [("mode", "values")],
+    "backdoor": [
+        ("target", -1), ("fraction", 0.0), ("fraction", 1.5), ("size", 0), ("value", math.inf), ("boost", 0.0),
+    ],
     "stale": [("capture_round", -1), ("capture_round", 1.5)],
     "lying_weight": [("factor", 0.0)],
     "alie": [("z", math.inf), ("z", "big")],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fedrobust.attacks.backdoor import Backdoor
 from fedrobust.attacks.base import Attack
 from fedrobust.attacks.client import (
     Gaussian,
@@ -39,6 +40,7 @@ _REGISTRY: dict[str, type[Attack]] = {
     for cls in (
         SignFlip, Scaled, Gaussian, Zero, NaNFill, InfFill, LabelFlip, RandomUniform, Malformed, Stale,
         LyingWeight, ALIE, IPM, Mimic, MinMax, MinSum, FangKrum, FangTrimmedMean, OptimalALIE, OptimalIPM,
+        Backdoor,
     )
 }
 
