@@ -37,6 +37,9 @@ class AggregatorConfig:
     pre: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     pre_params: dict[str, Any] = field(default_factory=dict)
+    # Rules that need the server's own update each round (fltrust): the server trains, as a client does,
+    # on this many examples drawn from the seed out of the training split (its root data set).
+    root_size: int = 100
 
 
 @dataclass

@@ -103,6 +103,7 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     pre_ok = all(
         _choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in cfg.pre_aggregators()
     )
+    _at_least(problems, "aggregator.root_size", cfg.aggregator.root_size, 1)
     stray = sorted(set(cfg.aggregator.pre_params) - set(cfg.pre_aggregators()))
     if stray:
         _problem(problems, "aggregator.pre_params", cfg.aggregator.pre_params,

@@ -1,19 +1,23 @@
-"""The model of an experiment and its central evaluation, in the shapes ``strategy.start()`` takes.
+"""The model of an experiment, its central evaluation and the server's own update (FLTrust), in the shapes
+``strategy.start()`` and ``RobustStrategy`` take.
 
 Model and test set are components (:mod:`fedrobust.components`): built-ins by name, a user's by ``_target_``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 from torch.utils.data import TensorDataset
 
 from fedrobust import attacks, components, training
 from fedrobust.attacks.backdoor import Backdoor
-from fedrobust.config import RunConfig
+from fedrobust.config import PartitionConfig, RunConfig
+from fedrobust.strategies.robust_strategy import ServerUpdateFn
 
 
 def build_global_model(cfg: RunConfig) -> torch.nn.Module:
@@ -58,3 +62,60 @@ def central_evaluate_fn(cfg: RunConfig) -> Callable[[int, ArrayRecord], MetricRe
         return MetricRecord(metrics)
 
     return evaluate
+
+
+# The server's work on its root data set is seeded like a client's work, under a partition id no client has.
+_SERVER_PARTITION = -2
+
+
+def root_data_set(cfg: RunConfig) -> TensorDataset:
+    """The server's root data set (FLTrust): ``aggregator.root_size`` examples of the training split.
+
+    As in Cao et al. (2021), the root data is a small clean sample of the training distribution: the
+    examples are drawn uniformly, from the seed, out of the whole training split (the union of the
+    clients' data), so it may share examples with clients; the test set stays the evaluation set,
+    untouched. Built-in data sets and ``dataset._target_`` loaders alike (the split is loaded as one
+    IID partition).
+    """
+    whole = components.load_partition(dataclasses.replace(cfg, partition=PartitionConfig(name="iid")), 0, 1)
+    x, y = whole.tensors
+    size = min(cfg.aggregator.root_size, len(y))
+    rng = np.random.default_rng([cfg.seed, 0xF17, 0x7057])
+    chosen = torch.from_numpy(np.sort(rng.choice(len(y), size=size, replace=False)))
+    return TensorDataset(x.index_select(0, chosen), y.index_select(0, chosen))
+
+
+def server_update_fn(cfg: RunConfig) -> ServerUpdateFn:
+    """``fn(server_round, global_state)`` for ``RobustStrategy(server_update_fn=...)``: the server's own update.
+
+    The server trains from the round's global model on its :func:`root_data_set` exactly as a client
+    trains on its partition (``client.*`` settings), seeded from (seed, round, -2), and returns trained
+    minus global weights. The root data is loaded on the first call, so runs whose rule needs no
+    server update never load it.
+    """
+    state: dict[str, object] = {}
+
+    def update(server_round: int, global_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not state:
+            state["root"] = root_data_set(cfg)
+            state["model"] = build_global_model(cfg)
+        root, model = state["root"], state["model"]
+        assert isinstance(root, TensorDataset) and isinstance(model, torch.nn.Module)
+        model.load_state_dict(global_state)
+        c = cfg.client
+        training.train(
+            model,
+            root,
+            epochs=c.local_epochs,
+            batch_size=c.batch_size,
+            lr=c.lr,
+            momentum=c.momentum,
+            weight_decay=c.weight_decay,
+            device=training.pick_device(c.device),
+            amp=c.amp,
+            seed=training.derive_seed(cfg.seed, server_round, _SERVER_PARTITION),
+        )
+        trained = model.state_dict()
+        return {k: trained[k].detach().cpu() - global_state[k] for k in global_state}
+
+    return update

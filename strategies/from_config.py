@@ -13,6 +13,7 @@ from typing import Any
 
 from fedrobust import signing
 from fedrobust.config import RunConfig
+from fedrobust.strategies.evaluation import server_update_fn
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
 
 
@@ -92,5 +93,7 @@ def strategy_from_config(
         metrics_path=out_dir / "metrics.jsonl" if out_dir is not None else None,
         progress=progress,
         update_hook=update_hook,
+        # Lazy: the root data set is loaded only if the rule asks for the server's update (fltrust).
+        server_update_fn=server_update_fn(cfg),
         settings={"run": run_settings(cfg)},
     )

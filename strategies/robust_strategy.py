@@ -39,6 +39,7 @@ from fedrobust.server_optim import ServerOptimizer
 from fedrobust.signing import TrustStore
 from fedrobust.strategies.replies import parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
+from fedrobust.tensors import flatten
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import Rejection, check_num_examples
 
@@ -99,6 +100,12 @@ class RoundOutcome:
 # bound) and dropped when they fail. The simulation-only omniscient adversary of experiments/ uses it;
 # the strategy carries none by default.
 UpdateHook = Callable[[int, torch.Tensor, torch.Tensor], Sequence[int] | None]
+
+# The server's own update of a round, for rules that need one (FLTrust): ``fn(round, global_state)`` with
+# the global model the round's clients were sent (name -> tensor, not to be modified) returns the server's
+# update (its trained weights minus those), keyed like the model; its floating arrays are flattened in the
+# update matrix's layout and given to the rule before it aggregates the round.
+ServerUpdateFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -205,6 +212,10 @@ class RobustStrategy(Strategy):
         round peaks at the replies plus the update matrix (see ``fedrobust.memory``).
     update_hook : callable, optional
         Rewrites accepted update rows before aggregation (simulation adversaries); see ``UpdateHook``.
+    server_update_fn : callable, optional
+        The server's own update of each round from the global model, for rules that need one
+        (``fltrust``; required there): see ``ServerUpdateFn``. Built from a RunConfig by
+        ``fedrobust.strategies.evaluation.server_update_fn`` (training on a root data set).
     settings : mapping, optional
         Further settings a checkpoint must agree with to be resumed (e.g. the data and model
         settings of an experiment); the strategy's own settings are always included.
@@ -256,6 +267,7 @@ class RobustStrategy(Strategy):
         progress: bool = True,
         return_freed_memory: bool = True,
         update_hook: UpdateHook | None = None,
+        server_update_fn: ServerUpdateFn | None = None,
         settings: Mapping[str, Any] | None = None,
     ) -> None:
         _check(
@@ -318,6 +330,12 @@ class RobustStrategy(Strategy):
             self.aggregator = aggregator
         else:
             self.aggregator = aggregators.build(aggregator, f=num_byzantine, pre=pre, **dict(aggregator_params or {}))
+        _check(
+            not self.aggregator.needs_server_update or server_update_fn is not None,
+            f"aggregator {self.aggregator.label} needs the server's own update each round: pass server_update_fn "
+            "(a RunConfig builds it from aggregator.root_size examples of the training data)",
+        )
+        self.server_update_fn = server_update_fn
         self._rule_spec = (
             aggregator,
             tuple(pre) if not isinstance(pre, str) else (pre,),
@@ -535,6 +553,8 @@ class RobustStrategy(Strategy):
         weights = None
         if self.weight_by_num_examples and rule.supports_weights:
             weights = torch.tensor([float(u.num_examples) for u in accepted])
+        if rule.needs_server_update:
+            rule.set_server_update(self._server_update(server_round, global_state, matrix))
         aggregate = self._call_rule(rule, matrix.rows(), weights)
         if self._step_out is None or self._step_out.shape != (matrix.dim,):
             self._step_out = torch.empty(matrix.dim, dtype=torch.float32)
@@ -546,6 +566,17 @@ class RobustStrategy(Strategy):
         outcome.seconds_aggregate = time.perf_counter() - start
         outcome.aggregated = True
         return outcome
+
+    def _server_update(
+        self, server_round: int, global_state: Mapping[str, torch.Tensor], matrix: UpdateMatrix
+    ) -> torch.Tensor:
+        """The server's own update of the round, flattened like the rows of ``matrix`` (float32)."""
+        assert self.server_update_fn is not None  # checked in __init__
+        update = self.server_update_fn(server_round, global_state)
+        missing = [k for k in matrix.keys if k not in update]
+        if missing:
+            raise ValueError(f"server_update_fn returned no array for {missing[:3]}; it must be keyed like the model")
+        return flatten([update], matrix.keys)[0]
 
     def _rule_for(self, f: int) -> aggregators.Aggregator:
         """The configured pipeline with ``f`` (a lower f after rejections); state shared with the main one."""

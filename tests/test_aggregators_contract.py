@@ -30,6 +30,7 @@ RULE_PARAMS: dict[str, dict] = {
     "signguard": {},
     "clipped_clustering": {},
     "foolsgold": {},
+    "fltrust": {},
     "centered_clipping/auto": {"tau": "auto"},
 }
 PRE_PARAMS: dict[str, dict] = {
@@ -53,10 +54,26 @@ def rule_name(label: str) -> str:
     return label.split("/")[0]
 
 
+class WithServerUpdate(aggregators.Aggregator):
+    """The set-up of rules that need the server's own update (FLTrust): before each call, a server update.
+
+    The server here trains "like the clients": its update is the mean of the rows (non-finite entries
+    read as 0, so that the non-finite checks still test the rows). It depends on the rows only as a set
+    (permutation invariant), is the row itself when all rows are equal, and is the same for a half
+    precision input and its float32 upcast: the properties of the suite hold with it.
+    """
+
+    def __call__(self, updates, weights=None):
+        if isinstance(updates, torch.Tensor) and updates.dim() == 2 and updates.numel():
+            self.set_server_update(updates.detach().double().nan_to_num(0.0, 0.0, 0.0).mean(dim=0))
+        return super().__call__(updates, weights)
+
+
 def make(rule: str, pres: tuple[str, ...] = (), f: int = F, **extra) -> aggregators.Aggregator:
-    return aggregators.build(
+    agg = aggregators.build(
         rule_name(rule), f=f, pre=[{"name": p, **PRE_PARAMS[p]} for p in pres], **{**RULE_PARAMS[rule], **extra}
     )
+    return WithServerUpdate(agg.rule, agg.pre) if agg.needs_server_update else agg
 
 
 def pipeline_id(case: tuple[str, tuple[str, ...]]) -> str:
@@ -287,6 +304,7 @@ def test_min_n_of_each_rule():
         "signguard": 2 * F + 1,
         "clipped_clustering": 2 * F + 1,
         "foolsgold": 2 * F + 1,
+        "fltrust": 1,
         "centered_clipping/auto": 2 * F + 1,
     }
     assert {name: make(name).min_n() for name in RULE_PARAMS} == expected

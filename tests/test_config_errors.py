@@ -58,6 +58,7 @@ WRONG: dict[str, Wrong] = {
     "aggregator.pre": Wrong("nmm", "nmm", "unknown choice; valid choices: arc, bucketing, clipping, nnm"),
     "aggregator.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) bogus; valid parameters:"),
     "aggregator.pre_params": Wrong("{nnm:{k:1}}", '{"nnm": {"k": 1}}', "which aggregator.pre='' does not run"),
+    "aggregator.root_size": Wrong("0", "0", "must be >= 1"),
     "dataset.name": Wrong("mnsit", "mnsit", "unknown choice; valid choices: cifar10, digits, mnist"),
     "dataset._target_": Wrong("no_such_pkg.load", "no_such_pkg.load", "cannot import 'no_such_pkg.load'"),
     "dataset.params": Wrong("{fraction:0.5}", '{"fraction": 0.5}', "dataset.name=digits takes no parameters"),

@@ -21,6 +21,7 @@ from fedrobust.aggregators import dnc  # noqa: F401  isort: skip
 from fedrobust.aggregators import signguard  # noqa: F401  isort: skip
 from fedrobust.aggregators import clustering  # noqa: F401  isort: skip
 from fedrobust.aggregators import foolsgold  # noqa: F401  isort: skip
+from fedrobust.aggregators import fltrust  # noqa: F401  isort: skip
 from fedrobust.aggregators import pre  # noqa: F401  isort: skip
 from fedrobust.aggregators._registry import build, names, pre_names
 from fedrobust.aggregators.pipeline import Aggregator

@@ -94,10 +94,16 @@ class Rule(Component):
     """
 
     supports_weights: ClassVar[bool] = False
+    needs_server_update: ClassVar[bool] = False
+    """The rule needs the server's own update of the round before each call (FLTrust)."""
 
     def __init__(self, f: int, *, chunk_size: int | None = None) -> None:
         super().__init__(f)
         self.chunk_size = check_optional_int(self.name, "chunk_size", chunk_size, minimum=1)
+
+    def set_server_update(self, vector: Tensor) -> None:
+        """Give the server's own ``[d]`` update for the next call (rules with ``needs_server_update`` only)."""
+        raise ValueError(f"{self.name}: this rule takes no server update")
 
     def extra_vectors(self, like: Tensor) -> list[Tensor]:
         """Vectors other than the rows whose distances to the rows the rule needs (e.g. a center)."""

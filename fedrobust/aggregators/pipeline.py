@@ -37,6 +37,8 @@ class Aggregator:
         Number of Byzantine rows tolerated.
     supports_weights : bool
         Whether per-row weights are accepted (``mean``, with no pre-aggregator that regroups rows).
+    needs_server_update : bool
+        Whether each call needs :meth:`set_server_update` first (``fltrust``).
     """
 
     def __init__(self, rule: Rule, pre: Sequence[PreAggregator] = ()) -> None:
@@ -45,6 +47,7 @@ class Aggregator:
         self.name = rule.name
         self.f = rule.f
         self.supports_weights = rule.supports_weights and all(p.keeps_rows for p in self.pre)
+        self.needs_server_update = rule.needs_server_update
         self.label = rule.name if not self.pre else f"{rule.name} (after {', '.join(p.name for p in self.pre)})"
 
     def __repr__(self) -> str:
@@ -60,6 +63,16 @@ class Aggregator:
             if isinstance(stage, PreAggregator):
                 rows = stage.out_rows(rows)
         return None
+
+    def set_server_update(self, vector: Tensor) -> None:
+        """Give the rule the server's own ``[d]`` update for the next call (rules with ``needs_server_update``).
+
+        Raises
+        ------
+        ValueError
+            For a rule that takes none, or a vector that is not a 1-D float tensor.
+        """
+        self.rule.set_server_update(vector)
 
     def min_n(self) -> int:
         """Smallest number of rows the whole pipeline (pre-aggregators and rule) accepts."""

@@ -78,12 +78,18 @@ def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any) -> None:
     if not isinstance(rule_params, Mapping):
         raise ValueError(f"attack {attack!r}: parameter 'rule_params' must be a mapping, got {rule_params!r}")
     try:
-        aggregators.build(rule, f=0 if rule_f is None else rule_f, **rule_params)
+        built = aggregators.build(rule, f=0 if rule_f is None else rule_f, **rule_params)
     except ValueError as err:
         raise ValueError(
             f"attack {attack!r}: parameter 'rule_params' must be valid parameters of rule {rule!r} ({err}), "
             f"got {dict(rule_params)!r}"
         ) from err
+    if built.needs_server_update:
+        # The search would have to run the rule, which needs the server's own update of the round:
+        # the server's root data, which this attacker is not modelled to know.
+        raise ValueError(
+            f"attack {attack!r}: parameter 'rule' must be a rule that needs no server update, got {rule!r}"
+        )
 
 
 @dataclass(frozen=True)
