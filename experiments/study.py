@@ -21,7 +21,11 @@ Settings shared by every run, and why:
   shrinks the round below what Bulyan needs (n >= 4f+3 = 19 with f=4); the study
   measures the aggregation rules, so it keeps the population fixed.
 * Rule names are the registered aggregators; ``nnm+<rule>`` puts nearest-neighbour
-  mixing in front of ``<rule>`` (``aggregator.pre=nnm``).
+  mixing in front of ``<rule>`` (``aggregator.pre=nnm``). Not in the default sweep
+  but available as options: ``--rules fltrust`` (the server trains on a root data set
+  of ``aggregator.root_size`` training examples each round) and ``--attacks backdoor``
+  (trigger-patch poisoning; each round's row then has ``backdoor_asr``, the attack
+  success rate, next to the clean ``accuracy``; docs/results.md, "Backdoor and FLTrust").
 
 One JSON file per run lands in ``--out`` (the per-round rows included); runs whose
 file exists are skipped, so an interrupted study continues where it stopped.
@@ -264,6 +268,8 @@ def _worker_init() -> None:
 def _summary(result: dict[str, Any]) -> str:
     rows = result["rows"]
     acc = f"acc {rows[-1]['accuracy']:.3f}" if rows else "no round"
+    if rows and isinstance(rows[-1].get("backdoor_asr"), int | float):
+        acc += f" backdoor ASR {rows[-1]['backdoor_asr']:.3f}"
     status = "" if result["status"] == OK else f"  [{result['status']}: {result['error'].splitlines()[0][:90]}]"
     return f"{acc} in {result['seconds']:.1f} s{status}"
 
