@@ -1,0 +1,168 @@
+"""Preemption under ``flwr run``: real signals to the processes Flower 1.41 runs a simulation in.
+
+``flwr run . <federation>`` only submits the run (``--stream`` then prints its log); the run executes
+in ``flower-superlink`` -> ``flower-superexec`` (a session and process group of its own) ->
+``flwr-simulation`` (the ServerApp in a thread, Ray's driver in the main thread) -> Ray's
+processes (gcs_server, raylet, ClientAppActor workers; all in SuperExec's process group). A
+scheduler that stops the job signals these processes (their group, or the one running the
+ServerApp), and a SIGTERM to ``flwr run`` itself ends only the CLI. docs/flwr_run.md section 7
+describes what each does; this test checks it:
+
+1. SIGTERM to SuperExec's process group (SuperExec, ``flwr-simulation`` and Ray's workers at once),
+   sent again every 20 ms until the stop's checkpoint is on disk: ``flwr run --stream`` exits 0,
+   every checkpoint verifies and the newest one is the stop's.
+2. Resume; SIGTERM to ``flwr-simulation`` alone, again every 20 ms: the same.
+3. Resume; SIGTERM to ``flwr run`` itself: it exits -15 (143) and the run goes on to its last round;
+   the final model has the bytes of an uninterrupted run (computed in-process: the same ServerApp and
+   ClientApp give the same bytes on Flower's engine and on experiments.inprocess).
+
+``checkpoint.every_rounds=0``: checkpoints are written only by a stop and after the last round, so
+each one on disk was written by a stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.flower_processes import FlowerProcesses, Proc, descendants, executable, write_flwr_home
+from tests.test_fault_processes import committed, wait_for
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+FEDERATION = "fedrobust-sim"
+ROUNDS = 6
+SETTINGS = {"num_rounds": ROUNDS, "num_clients": 4, "num_byzantine": 1, "clients_per_round": 4,
+            "client.local_epochs": 1, "checkpoint.every_rounds": 0}
+STOPPED = "is on disk"  # "stopping: the checkpoint of round N is on disk"
+
+
+def _run_config(out: Path, ckpt: Path) -> str:
+    pairs = [f"{k}={v}" for k, v in SETTINGS.items()] + [f"output_dir='{out}'", f"checkpoint.dir='{ckpt}'"]
+    return " ".join(pairs)
+
+
+def _flwr_run(fp: FlowerProcesses, out: Path, ckpt: Path, name: str) -> Proc:
+    log = fp.tmp_path / f"{name}.log"
+    with log.open("ab") as sink:
+        popen = subprocess.Popen(
+            [executable("flwr"), "run", ".", FEDERATION, "--stream", "--run-config", _run_config(out, ckpt)],
+            cwd=REPO, env=fp.env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    return Proc(name=name, popen=popen, log_path=log)
+
+
+def _superlink(fp: FlowerProcesses) -> Proc:
+    link = fp.start_superlink(simulation=True)
+    options = {"num-supernodes": SETTINGS["num_clients"], "backend": {"client-resources": {"num-cpus": 1}}}
+    write_flwr_home(fp.tmp_path, FEDERATION, link.address, options=options)
+    return link
+
+
+def _simulation_pid(link: Proc) -> int:
+    for pid, _ in descendants(link.pid):
+        with contextlib.suppress(OSError):
+            if b"flwr-simulation" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError(f"no flwr-simulation under the SuperLink\n{link.tail()}")
+
+
+def _signal_until_stopped(run: Proc, send: signal.Signals, target: int, *, group: bool) -> None:
+    """``send`` to ``target`` (its process group when ``group``) every 20 ms until the stop's checkpoint is on disk."""
+    deadline = time.monotonic() + 120
+    while STOPPED not in run.log_path.read_text(errors="replace") and run.alive() and time.monotonic() < deadline:
+        with contextlib.suppress(ProcessLookupError):
+            (os.killpg if group else os.kill)(target, send)
+        time.sleep(0.02)
+
+
+def _finish(run: Proc, timeout: float = 120) -> int:
+    try:
+        return run.popen.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.popen.kill()
+        raise AssertionError(f"{run.name}: flwr run did not end\n{run.tail()}") from None
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def every_checkpoint_verifies(ckpt: Path) -> int:
+    """Every round-* entry is complete (its files match its manifest); the newest loads. Returns its round."""
+    for entry in sorted(ckpt.glob("round-*")):
+        manifest = json.loads((entry / "manifest.json").read_text())
+        files = manifest["files"]
+        assert sorted(p.name for p in entry.iterdir()) == sorted([*files, "manifest.json"]), entry
+        for name, expected in files.items():
+            data = (entry / name).read_bytes()
+            assert len(data) == expected["size"] and hashlib.sha256(data).hexdigest() == expected["sha256"], entry
+    return committed(ckpt)
+
+
+def _reference(tmp_path: Path) -> bytes:
+    from experiments.inprocess import run_inprocess
+    from fedrobust.config import from_flat
+
+    settings = {k: v for k, v in SETTINGS.items() if not k.startswith("checkpoint.")}
+    run_inprocess(from_flat(settings), tmp_path / "ref")
+    return (tmp_path / "ref" / "final_model.safetensors").read_bytes()
+
+
+@pytest.mark.timeout(900)
+def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_path: Path) -> None:
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    with ThreadPoolExecutor(1) as pool, FlowerProcesses(tmp_path) as fp:
+        reference = pool.submit(_reference, tmp_path)
+
+        # 1. SIGTERM to SuperExec's process group: flwr-simulation and Ray's workers at once.
+        link = _superlink(fp)
+        first = _flwr_run(fp, out, ckpt, "first")
+        wait_for(first, "[round   1/")
+        _signal_until_stopped(first, signal.SIGTERM, os.getpgid(_simulation_pid(link)), group=True)
+        assert _finish(first) == 0, first.tail()
+        log = first.log_path.read_text()
+        assert "received SIGTERM" in log and STOPPED in log, f"{first.tail()}\n{fp.tails()}"
+        stopped_at = every_checkpoint_verifies(ckpt)
+        assert 1 <= stopped_at < ROUNDS
+        fp.stop(link)  # its SuperExec is gone with the group: a new SuperLink for the next run
+
+        # 2. Resume; SIGTERM to flwr-simulation alone, repeated while the stop writes its checkpoint.
+        link = _superlink(fp)
+        second = _flwr_run(fp, out, ckpt, "second")
+        wait_for(second, f"resumed after round {stopped_at}")
+        wait_for(second, f"[round   {stopped_at + 1}/")
+        _signal_until_stopped(second, signal.SIGTERM, _simulation_pid(link), group=False)
+        assert _finish(second) == 0, second.tail()
+        log = second.log_path.read_text()
+        assert "received SIGTERM" in log and STOPPED in log, f"{second.tail()}\n{fp.tails()}"
+        resumed_at = every_checkpoint_verifies(ckpt)
+        assert stopped_at < resumed_at < ROUNDS
+
+        # 3. Resume; SIGTERM to `flwr run` ends the CLI only: the run goes on to its last round.
+        third = _flwr_run(fp, out, ckpt, "third")
+        wait_for(third, f"resumed after round {resumed_at}")
+        simulation = _simulation_pid(link)
+        third.popen.send_signal(signal.SIGTERM)
+        assert _finish(third) == -signal.SIGTERM, third.tail()
+        deadline = time.monotonic() + 180
+        while _running(simulation) and time.monotonic() < deadline:  # SuperExec leaves it a zombie
+            time.sleep(0.2)
+        assert (out / "final_model.safetensors").exists(), fp.tails()
+        expected = reference.result(timeout=300)
+    assert every_checkpoint_verifies(ckpt) == ROUNDS
+    assert (out / "final_model.safetensors").read_bytes() == expected
