@@ -163,6 +163,43 @@ def _wait_online(fp: FlowerProcesses, node_ids: list[int], nodes: list[Proc], ti
     raise AssertionError(f"SuperNodes not all online after {timeout:.0f}s: {status}\n{fp.tails()}")
 
 
+def start_devices(
+    fp: FlowerProcesses,
+    link: Proc,
+    tls_files: tls.TlsFiles,
+    auth_keys: list[tuple[Path, Path]],
+    node_configs: list[dict[str, str]] | None = None,
+) -> tuple[list[int], list[Proc]]:
+    """Sections 4-6 of docs/deployment.md; the registered node ids and the SuperNodes, once all are online.
+
+    The federation in the temp FLWR_HOME (TLS: root-certificates), every SuperNode public key registered,
+    and one SuperNode per "device": its own port, FLWR_HOME, authentication key and node config (its own
+    data file, ``device='cpu'``, plus ``node_configs[i]``).
+    """
+    write_flwr_home(fp.tmp_path, FEDERATION, link.address, insecure=False, root_certificates=tls_files.ca_cert)
+    node_ids = _register(fp, [public for _, public in auth_keys])
+    assert len(set(node_ids)) == len(auth_keys), node_ids
+    nodes = []
+    for i, (auth_private, _) in enumerate(auth_keys):
+        device = fp.tmp_path / f"device-{i}"
+        # A real device trains on its own files (prepared beforehand), not on a partition id.
+        config = {"data-path": str(_device_data(device, i)), "device": "cpu"}
+        config.update(node_configs[i] if node_configs else {})
+        nodes.append(
+            fp.start_supernode(
+                superlink=link.address,
+                root_certificates=tls_files.ca_cert,
+                auth_private_key=auth_private,
+                node_config=config,
+                flwr_home=device / "flwr_home",
+                name=f"supernode-{i}",
+                wait=False,  # start all at once; _wait_online checks them
+            )
+        )
+    _wait_online(fp, node_ids, nodes)
+    return node_ids, nodes
+
+
 def _run_status(fp: FlowerProcesses, run_id: int) -> str:
     """The run's status as ``flwr ls --format json`` reports it (e.g. ``finished:completed``)."""
     deadline = time.monotonic() + 30.0
@@ -297,34 +334,10 @@ def test_deployment_unsigned_then_signed_drill_with_forger_byzantine_and_killed_
                 tls=(tls_files.ca_cert, tls_files.server_cert, tls_files.server_key),
                 enable_supernode_auth=True,
             )
-            # 3. The federation (TLS: root-certificates) and the SuperNodes' public keys.
-            write_flwr_home(tmp_path, FEDERATION, link.address, insecure=False, root_certificates=tls_files.ca_cert)
-            node_ids = _register(fp, [public for _, public in auth_keys])
-            assert len(set(node_ids)) == NUM_NODES, node_ids
-
-            # 4. One SuperNode per "device": own port, own FLWR_HOME, own keys and node config.
-            nodes: list[Proc] = []
-            for i, (auth_private, _) in enumerate(auth_keys):
-                # A real device trains on its own files (prepared beforehand), not on a partition id.
-                config = {
-                    "data-path": str(_device_data(tmp_path / f"device-{i}", i)),
-                    "signing-key": str(signing_keys[i]),
-                    "device": "cpu",
-                }
-                if i == BYZANTINE:
-                    config["attack"] = ATTACK
-                nodes.append(
-                    fp.start_supernode(
-                        superlink=link.address,
-                        root_certificates=tls_files.ca_cert,
-                        auth_private_key=auth_private,
-                        node_config=config,
-                        flwr_home=tmp_path / f"device-{i}" / "flwr_home",
-                        name=f"supernode-{i}",
-                        wait=False,  # start all five at once; _wait_online checks them
-                    )
-                )
-            _wait_online(fp, node_ids, nodes)
+            # 3.-4. The federation, the SuperNodes' keys registered, one SuperNode per "device".
+            node_configs = [{"signing-key": str(key)} for key in signing_keys]
+            node_configs[BYZANTINE]["attack"] = ATTACK
+            node_ids, nodes = start_devices(fp, link, tls_files, auth_keys, node_configs)
             census.sample()
             setup_seconds = time.monotonic() - started
 
