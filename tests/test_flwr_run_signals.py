@@ -17,7 +17,8 @@ describes what each does; this test checks it:
    ClientApp give the same bytes on Flower's engine and on experiments.inprocess).
 
 ``checkpoint.every_rounds=0``: checkpoints are written only by a stop and after the last round, so
-each one on disk was written by a stop.
+each one on disk was written by a stop. Two fast tests check the two hooks this relies on without
+processes (Flower's exit path waits for the round loop; Ray's SIGTERM handler is replaced).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,8 +39,6 @@ import pytest
 
 from tests.flower_processes import FlowerProcesses, Proc, descendants, executable, write_flwr_home
 from tests.test_fault_processes import committed, wait_for
-
-pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 FEDERATION = "fedrobust-sim"
@@ -123,6 +124,7 @@ def _reference(tmp_path: Path) -> bytes:
     return (tmp_path / "ref" / "final_model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_path: Path) -> None:
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
@@ -166,3 +168,60 @@ def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_pat
         expected = reference.result(timeout=300)
     assert every_checkpoint_verifies(ckpt) == ROUNDS
     assert (out / "final_model.safetensors").read_bytes() == expected
+
+
+def test_flower_exit_path_requests_the_stop_and_waits_for_the_round_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What flwr-simulation's main thread does on SIGINT/SIGTERM (Flower's exit handlers, before its
+    force-exit timer) asks the round loop to stop and returns only once the loop has ended."""
+    from flwr.supercore.exit import exit_handler
+
+    from fedrobust.strategies import server_app
+
+    monkeypatch.setattr(exit_handler, "registered_exit_handlers", [])
+    monkeypatch.setattr(server_app, "_set_handler", lambda *_: None)  # leave pytest's SIGTERM/SIGINT handlers alone
+    stop = threading.Event()
+    ended_at: list[float] = []
+    watch = server_app.FlowerExitWatch(stop.set)
+
+    def round_loop() -> None:  # ends 0.3 s after the stop request, as after writing a checkpoint
+        stop.wait(10)
+        time.sleep(0.3)
+        ended_at.append(time.monotonic())
+        watch.finish()
+
+    assert watch.start()
+    loop = threading.Thread(target=round_loop)
+    loop.start()
+    exit_handler.trigger_exit_handlers(run_before_force_exit=True)
+    returned_at = time.monotonic()
+    loop.join()
+    assert stop.is_set() and ended_at and returned_at >= ended_at[0]
+    assert watch not in server_app._watches
+
+
+def test_sigterm_handler_ray_installs_in_flwr_simulation_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In flwr-simulation, the SIGTERM handler Ray's init installs becomes the one that takes Flower's exit path."""
+    from fedrobust.strategies import server_app
+
+    installed: list[tuple[int, object]] = []
+    monkeypatch.setattr(server_app, "_set_handler", lambda signum, handler: installed.append((signum, handler)))
+    monkeypatch.setattr(signal, "signal", server_app._set_handler)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/flwr-simulation", "--token", "x"])
+    server_app._chain_ray_sigterm_handler()
+
+    def ray_handler(signum: int, frame: object) -> None:  # as ray._private.worker.init's
+        raise SystemExit(signum)
+
+    ray_handler.__module__ = "ray._private.worker"
+
+    def other(signum: int, frame: object) -> None:
+        pass
+
+    signal.signal(signal.SIGTERM, ray_handler)
+    signal.signal(signal.SIGTERM, other)
+    signal.signal(signal.SIGINT, ray_handler)
+    assert installed == [
+        (signal.SIGTERM, server_app._on_sigterm_under_flwr_simulation),
+        (signal.SIGTERM, other),
+        (signal.SIGINT, ray_handler),
+    ]
