@@ -59,7 +59,6 @@ def install_stop_handlers(request_stop: Callable[[], None]) -> bool:
 FLOWER_EXIT_WAIT = 300.0
 
 _set_handler = signal.signal  # the real one, also after _chain_ray_sigterm_handler wraps signal.signal
-_watches: list[FlowerExitWatch] = []  # the running ServerApps of this process that stop through Flower
 
 
 class FlowerExitWatch:
@@ -67,8 +66,8 @@ class FlowerExitWatch:
 
     There the ServerApp runs in a thread of ``flwr-simulation`` and cannot install signal handlers;
     the main thread holds Flower's handlers, and every way Flower ends the process goes through its
-    ``flwr_exit`` and exit handlers: SIGINT/SIGTERM/SIGQUIT, ``flwr stop``, the SuperLink or SuperExec
-    going away (the process then signals itself). The handler registered here runs first, before
+    ``flwr_exit`` and exit handlers: SIGINT/SIGTERM/SIGQUIT, and ``flwr stop`` or its parent going
+    away, on which Flower has the process signal itself. The handler registered here runs first, before
     Flower's force-exit timer: it requests the stop, makes further SIGTERM/SIGINT only log, and waits
     (at most ``wait`` s) until the round loop has committed the checkpoint of the last completed
     round and ended. Flower then reports the run to the SuperLink and ends the process.
@@ -89,7 +88,6 @@ class FlowerExitWatch:
             add_exit_handler(self.stop_and_wait, run_before_force_exit=True)
         except TypeError:  # a Flower without the phase: its 5 s force-exit timer then bounds the wait
             add_exit_handler(self.stop_and_wait)
-        _watches.append(self)
         return True
 
     def stop_and_wait(self) -> None:
@@ -105,8 +103,6 @@ class FlowerExitWatch:
     def finish(self) -> None:
         """The round loop has ended."""
         self.finished.set()
-        if self in _watches:
-            _watches.remove(self)
 
 
 def _log_further_signals() -> None:

@@ -196,7 +196,6 @@ def test_flower_exit_path_requests_the_stop_and_waits_for_the_round_loop(monkeyp
     returned_at = time.monotonic()
     loop.join()
     assert stop.is_set() and ended_at and returned_at >= ended_at[0]
-    assert watch not in server_app._watches
 
 
 def test_sigterm_handler_ray_installs_in_flwr_simulation_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
