@@ -29,7 +29,7 @@ partition order, and a checkpoint restores the model, server optimizer, liveness
 the order is the same too (and it skips the median's numba kernels, whose first call took ~25 s in every
 deployed ServerApp here).
 
-Wall time: 500-630 s on the shared 2-core development machine at load 8-13. Every message starts a
+Wall time: 400-630 s on the shared 2-core development machine at load 7-13. Every message starts a
 ClientApp process on its SuperNode (~7 s of CPU each); the four runs train 2, 1, 0 (killed in round 2)
 and 1 rounds, each after a discovery query to every node.
 """
