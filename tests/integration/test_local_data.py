@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp
 from experiments.inprocess import run_inprocess
 from fedrobust import data
 from fedrobust.clients.client_app import make_client_app
-from tests.simulation_helpers import small_config
+from tests.support.simulation import small_config
 
 
 def _write(kind: str, x: torch.Tensor, y: torch.Tensor, where: Path) -> Path:

@@ -14,7 +14,7 @@ from fedrobust import protocol
 from fedrobust.config import RunConfig
 from fedrobust.strategies.errors import QuorumError
 from fedrobust.strategies.server_app import make_server_app
-from tests.simulation_helpers import read_rows, replace_update, small_config, tampering_client
+from tests.support.simulation import read_rows, replace_update, small_config, tampering_client
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from fedrobust import RobustStrategy
 from fedrobust.checkpoint import CheckpointStore
 from fedrobust.config import RunConfig, from_flat
 from fedrobust.run_setup import validate
-from tests.simulation_helpers import small_config
+from tests.support.simulation import small_config
 
 
 def _final_bytes(cfg: RunConfig) -> bytes:
@@ -153,7 +153,7 @@ def test_bad_checkpoint_settings_fail_validation_naming_valid_values(
 
 
 def test_hydra_override_every_rounds_auto_and_numbers() -> None:
-    from tests.test_config import _compose
+    from tests.unit.test_config import _compose
 
     assert validate(_compose("checkpoint.every_rounds=auto")).checkpoint.every_rounds == "auto"
     assert validate(_compose("checkpoint.every_rounds=5")).checkpoint.every_rounds == 5

@@ -61,7 +61,7 @@ from fedrobust.config import from_flat
 from fedrobust.strategies.from_config import trust_store_for
 from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.validation import NON_FINITE
-from tests.flower_processes import (
+from tests.support.flower_processes import (
     FlowerProcesses,
     Proc,
     descendants,
@@ -69,7 +69,7 @@ from tests.flower_processes import (
     write_flwr_home,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DRILL_APP = REPO / "examples" / "byzantine-drill"  # ClientApp fedrobust.clients.byzantine_app:app
 FEDERATION = "fedrobust-edge"
 NUM_NODES = 5

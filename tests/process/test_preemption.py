@@ -3,7 +3,7 @@
 Slurm's scancel and preemption, and most supervisors, signal every process of the job at once, so the
 simulation's Ray workers die while the server is asked to stop. The Hydra entry point must still
 write a checkpoint of the last completed round and exit 75 (SIGTERM to the main process alone:
-tests/test_fault_processes.py). One run is stopped by SIGINT to its group in round 3; its resume is
+tests/process/test_fault_processes.py). One run is stopped by SIGINT to its group in round 3; its resume is
 stopped by SIGTERM to its group, sent again every 20 ms until the stop's checkpoint is on disk, so that
 signals land while it is written; a last resume must end with the final bytes of an uninterrupted run.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from fedrobust.strategies.errors import EXIT_PREEMPTED
-from tests.test_fault_processes import committed, finish, hydra_command, start, wait_for
+from tests.process.test_fault_processes import committed, finish, hydra_command, start, wait_for
 
 pytestmark = pytest.mark.slow
 

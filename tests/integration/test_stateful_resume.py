@@ -23,8 +23,16 @@ from experiments.inprocess import run_inprocess
 from fedrobust import Preempted
 from fedrobust.clients.client_app import make_client_app
 from fedrobust.strategies import client_state
-from tests.simulation_helpers import small_config
-from tests.test_fault_processes import committed, finish, hydra_command, kill_tree, rounds_on_disk, start, wait_for
+from tests.process.test_fault_processes import (
+    committed,
+    finish,
+    hydra_command,
+    kill_tree,
+    rounds_on_disk,
+    start,
+    wait_for,
+)
+from tests.support.simulation import small_config
 
 STALE = {"attack.name": "stale", "num_byzantine": 2, "aggregator.name": "mean", "num_rounds": 4}
 ROUNDS = 5

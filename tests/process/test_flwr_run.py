@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower_processes import (
+from tests.support.flower_processes import (
     FlowerProcesses,
     descendants,
     executable,
     write_flwr_home,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FEDERATION = "fedrobust-sim"
 NUM_ROUNDS = 2
 NUM_CLIENTS = 5
@@ -83,7 +83,7 @@ def test_stop_ends_children_in_other_sessions(tmp_path: Path) -> None:
     """Like SuperLink -> SuperExec (own session) -> ServerApp: stop() ends all three."""
     import sys
 
-    from tests.flower_processes import _spawn, flower_env, stop
+    from tests.support.flower_processes import _spawn, flower_env, stop
 
     # root (ignores SIGTERM) -> middle (own session, like SuperExec) -> leaf (like the ServerApp)
     (tmp_path / "leaf.py").write_text("import time\ntime.sleep(60)\n")

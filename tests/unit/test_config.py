@@ -11,7 +11,7 @@ from experiments.run import to_run_config
 from fedrobust.config import RunConfig, from_flat
 from fedrobust.run_setup import byzantine_partitions, validate
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 
 

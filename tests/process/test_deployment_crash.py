@@ -49,8 +49,7 @@ import pytest
 
 from fedrobust import tls
 from fedrobust.checkpoint import CheckpointStore
-from tests.flower_processes import FlowerProcesses, Proc, descendants
-from tests.test_deployment import (
+from tests.process.test_deployment import (
     NUM_NODES,
     REPO,
     _alive,
@@ -63,6 +62,7 @@ from tests.test_deployment import (
     _wait_online,
     start_devices,
 )
+from tests.support.flower_processes import FlowerProcesses, Proc, descendants
 
 NUM_ROUNDS = 2
 # Every reply must be in time: a dropped one would make the run differ from the reference.

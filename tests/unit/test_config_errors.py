@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 import experiments.run as run
 from fedrobust.config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEADER = "fedrobust: invalid configuration:"
 
 

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower_processes import FlowerProcesses, Proc, descendants, executable, write_flwr_home
-from tests.test_fault_processes import committed, wait_for
+from tests.process.test_fault_processes import committed, wait_for
+from tests.support.flower_processes import FlowerProcesses, Proc, descendants, executable, write_flwr_home
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FEDERATION = "fedrobust-sim"
 ROUNDS = 6
 SETTINGS = {"num_rounds": ROUNDS, "num_clients": 4, "num_byzantine": 1, "clients_per_round": 4,

@@ -1,7 +1,7 @@
 """The backdoor attack: where the trigger goes, which samples are poisoned, and the attack success rate.
 
 The end-to-end check (a short simulation in which the plain mean learns the backdoor and a robust rule learns
-less of it) is in tests/test_backdoor_run.py, in the slow tier.
+less of it) is in tests/integration/test_backdoor_run.py, in the slow tier.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from flwr.clientapp import ClientApp
 from experiments.inprocess import run_inprocess
 from fedrobust import ClientFailureError
 from fedrobust.clients.client_app import make_client_app
-from tests.simulation_helpers import small_config
+from tests.support.simulation import small_config
 
 
 def _failing_client(cfg, fails) -> ClientApp:

@@ -146,7 +146,7 @@ def test_a_flower_style_app_trains_robustly_and_resumes(tmp_path: Path) -> None:
     robust_accuracy = accuracy(second.arrays)
 
     # Honest-only training of the same client code (faulty nodes left out) on the in-process grid.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from experiments.inprocess import InProcessGrid
 
     honest_nodes = ClientApp()
@@ -225,7 +225,7 @@ def test_installed_names_live_under_fedrobust_only(tmp_path: Path) -> None:
     import subprocess
     import zipfile
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     subprocess.run(
         [
             sys.executable,

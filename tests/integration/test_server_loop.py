@@ -10,7 +10,7 @@ import torch
 
 from experiments.inprocess import run_inprocess
 from fedrobust.checkpoint import CheckpointMismatchError
-from tests.simulation_helpers import replace_update, small_config, tampering_client
+from tests.support.simulation import replace_update, small_config, tampering_client
 
 
 def test_exploding_round_is_rolled_back_and_retried_with_lower_lr(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ def test_checkpoint_of_another_configuration_is_refused_unless_forced(tmp_path: 
 
 
 def test_same_config_and_seed_give_the_same_final_model_bytes(tmp_path: Path) -> None:
-    # Across Flower's Ray engine and process restarts, see tests/test_fault_processes.py.
+    # Across Flower's Ray engine and process restarts, see tests/process/test_fault_processes.py.
     outputs = []
     for name in ("a", "b"):
         cfg = small_config(tmp_path / name, num_rounds=3, **{"aggregator.name": "multikrum", "num_byzantine": 0})

@@ -29,7 +29,7 @@ from fedrobust.config import (
 )
 from fedrobust.run_setup import byzantine_partitions, validate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODULE = "fr_user_components"  # not a name of anything installed
 BROKEN = '''
 
@@ -182,7 +182,7 @@ def test_pyproject_run_config_is_generated_from_run_config() -> None:
 
 
 def test_hydra_default_experiment_is_run_config_defaults() -> None:
-    from tests.test_config import _compose
+    from tests.unit.test_config import _compose
 
     assert _compose() == RunConfig()
 
@@ -217,7 +217,7 @@ def test_honest_app_ignores_attack_config(tmp_path: Path) -> None:
     """The shipped ClientApp with attack=sign_flip in run and node config trains as attack=none does."""
     from experiments.inprocess import run_inprocess
     from fedrobust.clients.client_app import make_client_app
-    from tests.simulation_helpers import small_config
+    from tests.support.simulation import small_config
 
     attacked = small_config(tmp_path / "a", **{"attack.name": "sign_flip", "aggregator.name": "mean"})
     honest = small_config(tmp_path / "b", **{"attack.name": "none", "aggregator.name": "mean"})
@@ -232,7 +232,7 @@ def test_honest_app_ignores_attack_config(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_user_components_train_in_a_hydra_experiment(on_path: Path, tmp_path: Path) -> None:
     from experiments.inprocess import run_inprocess
-    from tests.test_config import _compose
+    from tests.unit.test_config import _compose
 
     cfg = validate(
         _compose(
@@ -275,8 +275,8 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
     """`flwr run .` on a local simulation SuperLink, the user's module on the nodes' PYTHONPATH."""
     import os
 
-    from tests.flower_processes import FlowerProcesses, executable, write_flwr_home
-    from tests.test_flwr_run import FEDERATION, _run_status
+    from tests.process.test_flwr_run import FEDERATION, _run_status
+    from tests.support.flower_processes import FlowerProcesses, executable, write_flwr_home
 
     out = tmp_path / "out"
     with FlowerProcesses(tmp_path) as fp:

@@ -1,0 +1,93 @@
+"""Hydra runs as real processes: start one in a session of its own, wait for a log line, kill its tree,
+and check the checkpoints it left on disk."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedrobust.checkpoint import CheckpointStore
+from tests.support.flower_processes import Proc, descendants, stop
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUNDS = 6
+
+
+def hydra_command(run_dir: Path, ckpt_dir: Path, *overrides: str, rounds: int = ROUNDS) -> list[str]:
+    """The Hydra entry point on 5 clients (one Byzantine), checkpointing every round into ``ckpt_dir``."""
+    return [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "num_clients=5",
+        "clients_per_round=5",
+        f"num_rounds={rounds}",
+        "num_byzantine=1",
+        "aggregator=trimmed_mean",
+        f"checkpoint.dir={ckpt_dir}",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+
+
+def start(command: list[str], log: Path) -> Proc:
+    """``command`` in a session of its own: its pid is its process group's id, as a batch job's."""
+    env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    with log.open("ab") as out:
+        popen = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return Proc(name=log.stem, popen=popen, log_path=log)
+
+
+def wait_for(proc: Proc, text: str, timeout: float = 240.0) -> None:
+    """Until ``text`` is in the process's log (fails when it exits first or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in proc.log_path.read_text(errors="replace"):
+            return
+        if not proc.alive():
+            pytest.fail(f"{proc.name} exited {proc.popen.returncode} before {text!r}:\n{proc.tail()}")
+        time.sleep(0.05)
+    pytest.fail(f"{proc.name}: no {text!r} after {timeout} s:\n{proc.tail()}")
+
+
+def finish(proc: Proc, timeout: float = 300.0) -> int:
+    """The exit code (the process and what it left behind are stopped in any case)."""
+    try:
+        return proc.popen.wait(timeout=timeout)
+    finally:
+        stop(proc)
+
+
+def kill_tree(proc: Proc) -> None:
+    """SIGKILL to the process's group and to every descendant (Ray's processes start sessions of their own)."""
+    tree = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid, _start_time in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def rounds_on_disk(ckpt_dir: Path) -> list[int]:
+    """Rounds with a checkpoint directory, after checking that none lacks its manifest (half-written)."""
+    dirs = sorted(ckpt_dir.glob("round-*"))
+    assert all((p / "manifest.json").exists() for p in dirs), [p.name for p in dirs]
+    return [int(p.name.split("-")[1]) for p in dirs]
+
+
+def committed(ckpt_dir: Path) -> int:
+    """The newest round, after checking that every entry is a complete checkpoint and the newest verifies."""
+    entries = sorted(p.name for p in ckpt_dir.iterdir())
+    assert all(name.startswith("round-") for name in entries), f"half-written or leftover entries: {entries}"
+    rounds = rounds_on_disk(ckpt_dir)
+    newest = CheckpointStore(str(ckpt_dir)).latest_valid()
+    assert newest is not None and newest.round == rounds[-1], entries
+    return newest.round
