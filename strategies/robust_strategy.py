@@ -735,7 +735,9 @@ class RobustStrategy(Strategy):
         current = self._matrix
         matrix = self._matrix_for(count)
         if matrix is not current:
-            self._touching = threading.Thread(target=matrix.touch, name="fedrobust-touch-rows", daemon=True)
+            # Not a daemon: an interpreter that exits meanwhile waits the few seconds for it instead of
+            # aborting under a thread still writing into torch memory.
+            self._touching = threading.Thread(target=matrix.touch, name="fedrobust-touch-rows")
             self._touching.start()
 
     def _matrix_for(self, capacity: int) -> UpdateMatrix:
