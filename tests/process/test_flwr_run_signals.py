@@ -87,6 +87,25 @@ def _signal_until_stopped(run: Proc, send: signal.Signals, target: int, *, group
         time.sleep(0.02)
 
 
+def _rounds_done(out: Path) -> int:
+    """The last round in the run's ``metrics.jsonl``: written as each round ends, with no delay.
+
+    The streamed log of ``flwr run --stream`` lags the run by seconds (Flower pushes and pulls it
+    periodically), several rounds of this small run: a signal timed by it may land after the last round.
+    """
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["round"] for line in lines if line.strip()), default=0)
+
+
+def _wait_for_round(run: Proc, out: Path, server_round: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while _rounds_done(out) < server_round:
+        if not run.alive() or time.monotonic() > deadline:
+            pytest.fail(f"{run.name}: round {server_round} not done ({_rounds_done(out)})\n{run.tail()}")
+        time.sleep(0.02)
+
+
 def _finish(run: Proc, timeout: float = 120) -> int:
     try:
         return run.popen.wait(timeout=timeout)
@@ -134,7 +153,7 @@ def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_pat
         # 1. SIGTERM to SuperExec's process group: flwr-simulation and Ray's workers at once.
         link = _superlink(fp)
         first = _flwr_run(fp, out, ckpt, "first")
-        wait_for(first, "[round   1/")
+        _wait_for_round(first, out, 1)
         _signal_until_stopped(first, signal.SIGTERM, os.getpgid(_simulation_pid(link)), group=True)
         assert _finish(first) == 0, first.tail()
         log = first.log_path.read_text()
@@ -149,11 +168,11 @@ def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_pat
         # 2. Resume; SIGTERM to flwr-simulation alone, repeated while the stop writes its checkpoint.
         link = _superlink(fp)
         second = _flwr_run(fp, out, ckpt, "second")
-        wait_for(second, f"resumed after round {stopped_at}")
-        wait_for(second, f"[round   {stopped_at + 1}/")
+        _wait_for_round(second, out, stopped_at + 1)  # the file holds rounds 1..stopped_at until the resume
         _signal_until_stopped(second, signal.SIGTERM, _simulation_pid(link), group=False)
         assert _finish(second) == 0, second.tail()
         log = second.log_path.read_text()
+        assert f"resumed after round {stopped_at}" in log, second.tail()
         assert "received SIGTERM" in log, f"{second.tail()}\n{fp.tails()}"
         resumed_at = every_checkpoint_verifies(ckpt)
         assert stopped_at < resumed_at < ROUNDS
