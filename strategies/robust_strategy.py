@@ -445,6 +445,12 @@ class RobustStrategy(Strategy):
             status = getattr(info, "status", "")
             # Simulation nodes report no status; a node the SuperLink marks offline is dead now.
             self.liveness.observe_node(info.node_id, online=status not in ("offline", "unregistered"))
+        # A node Flower no longer lists is offline too: unregistered, or one from before a restart that gave
+        # the nodes new ids (a resumed simulation). Otherwise it would be reported alive for ever.
+        listed = set(node_ids)
+        for node_id in self.liveness.known_nodes():
+            if node_id not in listed:
+                self.liveness.observe_node(node_id, online=False)
         return self.liveness.eligible(node_ids, server_round)
 
     def _order(self, node_ids: Iterable[int]) -> list[int]:

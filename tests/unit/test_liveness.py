@@ -174,3 +174,22 @@ def test_invalid_parameters_name_the_parameter_and_range(params: dict, name: str
 def test_invalid_round_is_rejected() -> None:
     with pytest.raises(ValueError, match="round"):
         LivenessTracker().record_miss(1, -1)
+
+
+def test_a_node_flower_no_longer_lists_is_dead_and_not_reported_alive() -> None:
+    """After a restart that gave the nodes new ids (a resumed simulation) the old ids are gone from
+    Flower's node list: they are dead in the round's report, never sampled, and alive again if listed again."""
+    from types import SimpleNamespace
+
+    from fedrobust.strategies.robust_strategy import RobustStrategy
+
+    def grid(node_ids: list[int]) -> SimpleNamespace:
+        nodes = [SimpleNamespace(node_id=n, status="online") for n in node_ids]
+        return SimpleNamespace(get_nodes=lambda: nodes)
+
+    strategy = RobustStrategy(aggregator="median", progress=False)
+    assert strategy.refresh_liveness(grid([1, 2, 3, 4]), 1) == [1, 2, 3, 4]
+    assert strategy.refresh_liveness(grid([5, 6, 7, 8]), 2) == [5, 6, 7, 8]
+    assert strategy.liveness.snapshot() == {"alive": 4, "suspected": 0, "dead": 4, "quarantined": 0}
+    assert strategy.refresh_liveness(grid([1, 5, 6, 7, 8]), 3) == [1, 5, 6, 7, 8]
+    assert strategy.liveness.status(1) == "alive" and strategy.liveness.status(2) == "dead"
