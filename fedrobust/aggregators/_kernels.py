@@ -11,9 +11,10 @@ block of every row it needs into a scratch buffer.
   triangle of the inner products, two rows by four at a time, in float32 per block and float64
   across blocks. Only this kernel allows reassociation, so that its dot products vectorize.
 
-The kernels are compiled once per dtype (``cache=True`` keeps the machine code on disk) and release
-the GIL, so the columns are split over a thread pool sized by ``torch.get_num_threads()``, in more
-pieces than threads so that a thread slowed by other work on the machine does not hold up a call.
+The kernels are compiled once per dtype (``cache=True`` keeps the machine code on disk, in a directory
+keyed by this file's content: see ``_kernel_cache``) and release the GIL, so the columns are split
+over a thread pool sized by ``torch.get_num_threads()``, in more pieces than threads so that a thread
+slowed by other work on the machine does not hold up a call.
 Importing this module compiles or loads them; callers import it lazily.
 """
 
@@ -30,9 +31,13 @@ import numpy as np
 import torch
 from numba import types
 
+from fedrobust.aggregators import _kernel_cache
+
 __all__ = ["block_size", "closest_mean", "gram", "launch", "window_mean"]
 
 logger = logging.getLogger(__name__)
+
+_kernel_cache.install()  # before the decorators below look for their cache
 
 # Scratch per block: (rows + 1) x block values. 24 KiB keeps it in a 32 KiB L1 data cache.
 _SCRATCH_BYTES = 24 * 1024
