@@ -51,14 +51,18 @@ class ContentKeyedLocator(caching._SourceFileBackedLocatorMixin, caching._CacheL
         return self._cache_path
 
     def get_source_stamp(self) -> str:
-        # The content, not the file's mtime (numba < 0.61 stamps mtime and size): a fresh copy matches.
+        # The content, not the mtime and size older numba versions stamp: a fresh copy matches.
         return self._digest
 
     @classmethod
     def from_function(cls, py_func: Any, py_file: str) -> ContentKeyedLocator | None:
         if getattr(py_func, "__module__", None) != _MODULE:
             return None  # other packages' functions keep numba's own locators
-        return super().from_function(py_func, py_file)
+        try:
+            return super().from_function(py_func, py_file)
+        except (OSError, RuntimeError) as exc:  # unreadable source, no home directory: numba's own locators
+            logger.debug("numba kernel cache not keyed by content: %s", exc)
+            return None
 
 
 def install() -> None:

@@ -79,3 +79,13 @@ def test_a_changed_source_gets_a_cache_directory_of_its_own(tmp_path: Path, monk
     monkeypatch.setattr(_kernel_cache.config, "CACHE_DIR", str(tmp_path / "numba"))
     assert _kernel_cache.cache_root() == tmp_path / "numba" / "fedrobust"
     assert _kernel_cache.ContentKeyedLocator.from_function(json.dumps, str(a)) is None
+
+    # No home directory to cache under (a service account without one): numba's own locators, no error.
+    monkeypatch.setattr(_kernel_cache.config, "CACHE_DIR", "")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert _kernel_cache.ContentKeyedLocator.from_function(func, str(a)) is None
