@@ -7,6 +7,8 @@ Writes ``<docs>/results.md`` and ``<docs>/figures/*.png`` from the run results i
 ``--results``; without ``--docs``, ``<docs>`` is ``<results>/report``, so that a report of one's
 own study never overwrites the shipped docs. ``--pilot`` adds the pilot that chose the rule
 behind NNM; ``<docs>/results/notes.md``, when present, is included as the discussion.
+``--default-choice`` puts first the worst case of each fixed configuration over the sweeps given
+(:mod:`experiments.worst_case`), followed by ``<docs>/results/default_choice.md`` when present.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib import colors
 
+from experiments import worst_case
 from experiments.study import ATTACKS, OK, PARTITIONS, QUORUM, RULES, load_results
 
 CLEAN_RULE, CLEAN_ATTACK = "mean", "none"
@@ -354,6 +357,7 @@ def write_report(
     *,
     pilot_dir: Path | None = None,
     extra_dirs: Sequence[Path] = (),
+    default_choice_dirs: Sequence[Path] = (),
     report_command: str = "",
 ) -> Path:
     """Write ``docs_dir/results.md`` and ``docs_dir/figures/*.png`` from the study in ``results_dir``."""
@@ -428,6 +432,16 @@ def write_report(
         "needs, and the run stopped (see below).",
         "",
     ]
+
+    if default_choice_dirs:
+        # The report leads with what a user gets: one fixed configuration, judged by its worst attack.
+        commands = list(dict.fromkeys(  # every invocation that added results, in order, once each
+            i.get("command", "?") for d in default_choice_dirs for i in _study_meta(d).get("invocations", [])
+        ))
+        lines += worst_case.section(default_choice_dirs, figures / "default_choice.png", commands=commands)
+        notes = docs_dir / "results" / "default_choice.md"
+        if notes.exists():
+            lines += [notes.read_text().strip(), ""]
 
     # ---------------------------------------------------------------- headline
     lines += ["## Headline: best robust configuration per attack vs clean FedAvg", ""]
@@ -579,6 +593,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pilot", type=Path, default=None, help="the pilot's --out directory (optional)")
     parser.add_argument("--extra", type=Path, nargs="+", default=[],
                         help="--out directories of supplementary sweeps (run with --set ...)")
+    parser.add_argument("--default-choice", type=Path, nargs="+", default=[],
+                        help="--out directories of the sweeps that choose the default configuration by its worst case")
     args = parser.parse_args(argv)
     import shlex
     import sys
@@ -586,7 +602,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     command = shlex.join(["python", "-m", "experiments.report", *(sys.argv[1:] if argv is None else argv)])
     docs_dir = args.docs if args.docs is not None else args.results / "report"
     path = write_report(
-        args.results, docs_dir, pilot_dir=args.pilot, extra_dirs=args.extra, report_command=command
+        args.results, docs_dir, pilot_dir=args.pilot, extra_dirs=args.extra,
+        default_choice_dirs=args.default_choice, report_command=command,
     )
     print(f"wrote {path}")
 

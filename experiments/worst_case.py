@@ -1,0 +1,303 @@
+"""Which fixed configuration holds under every attack: the worst case of each rule, over sweeps.
+
+    python -m experiments.report ... --default-choice docs/results/default_choice/main \\
+        docs/results/default_choice/sign_flip_scale4
+
+A user who does not know the attack in advance gets one configuration; it is worth its largest
+accuracy loss over the attacks, not its loss under the attack it happens to suit. This module scores
+each rule of one or more study sweeps (``experiments/study.py --out DIR``) by that worst case and
+writes the section that leads ``docs/results.md``. A sweep run with ``--set`` (e.g. a stronger
+``attack.params.scale``) contributes its attacks under their own label, ``sign_flip (scale=4.0)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from experiments.study import OK, PARTITIONS, load_results
+
+CLEAN_RULE, CLEAN_ATTACK = "mean", "none"
+BACKDOOR = "backdoor"
+# The goals of a default (accuracy points below clean FedAvg, worst attack) and of its backdoor success rate.
+GOAL_GAP = {"iid": 0.01, "dirichlet": 0.02}
+GOAL_ASR = 0.05
+# The default of RobustStrategy, RunConfig and conf/config.yaml: a challenger must beat it beyond the noise.
+DEFAULT = "trimmed_mean"
+# "Visibly broken": the plain mean loses at least this much under the attacks that should break it.
+BROKEN_GAP = 0.20
+MUST_BREAK_MEAN = ("sign_flip (scale=4.0)", "min_max", "fang_krum", "fang_trimmed_mean")
+
+
+def _label(attack: str, extra: Sequence[str]) -> str:
+    """``sign_flip`` run with ``--set attack.params.scale=4.0`` -> ``sign_flip (scale=4.0)``."""
+    settings = [e.removeprefix("+").removeprefix("attack.params.") for e in extra]
+    return f"{attack} ({', '.join(settings)})" if settings else attack
+
+
+def labelled_results(dirs: Sequence[Path]) -> list[dict[str, Any]]:
+    """The results of every sweep in ``dirs``, each attack labelled with its sweep's extra settings."""
+    results = []
+    for directory in dirs:
+        try:
+            extra = json.loads((directory / "study.json").read_text()).get("settings", {}).get("extra", [])
+        except (OSError, ValueError):
+            extra = []
+        results += [r | {"attack": _label(r["attack"], extra)} for r in load_results(directory)]
+    return results
+
+
+def _final(result: dict[str, Any], key: str = "accuracy") -> float:
+    """The last round's metric; a run that stopped (no quorum, error) scores accuracy 0."""
+    if result["status"] != OK or not result["rows"]:
+        return 0.0 if key == "accuracy" else math.nan
+    value = result["rows"][-1].get(key)
+    return float(value) if value is not None else math.nan
+
+
+def _sem(values: list[float]) -> float:
+    """Standard error of the mean over seeds (0 for one seed)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Mean over seeds of one (partition, rule, attack), with its standard error."""
+
+    accuracy: float
+    asr: float  # backdoor success rate; nan unless the attack is a backdoor
+    seeds: int
+    accuracy_sem: float = 0.0
+    asr_sem: float = math.nan
+
+
+def cells(results: list[dict[str, Any]]) -> dict[tuple[str, str, str], Cell]:
+    grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        grouped.setdefault((r["partition"], r["rule"], r["attack"]), []).append(r)
+    out = {}
+    for key, runs in grouped.items():
+        acc, asr = [_final(r) for r in runs], [_final(r, "backdoor_asr") for r in runs]
+        has_asr = not any(math.isnan(a) for a in asr)
+        out[key] = Cell(
+            accuracy=statistics.fmean(acc),
+            asr=statistics.fmean(asr) if has_asr else math.nan,
+            seeds=len(runs),
+            accuracy_sem=_sem(acc),
+            asr_sem=_sem(asr) if has_asr else math.nan,
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class WorstCase:
+    """One rule's worst accuracy gap to clean FedAvg over the attacks, per partition."""
+
+    rule: str
+    gap: dict[str, tuple[float, str]]  # partition -> (largest gap, the attack that causes it)
+    asr: dict[str, float]  # partition -> backdoor success rate (nan when not run)
+    missing: dict[str, list[str]]  # partition -> attacks this rule was not run under
+    # Each measure over its goal, with the standard error of that ratio over the seeds.
+    terms: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        """The worst of every measure relative to its goal: <= 1 meets every goal; lower is better.
+
+        The gaps (untargeted damage) and the backdoor success rate (a silent, targeted takeover that
+        clean accuracy does not show) count alike, each against its own goal.
+        """
+        return max(value for value, _ in self.terms)
+
+    @property
+    def score_sem(self) -> float:
+        """The seeds' standard error of the measure that sets the score."""
+        return max(self.terms)[1]
+
+
+def worst_cases(table: dict[tuple[str, str, str], Cell], *, include_mean: bool = False) -> list[WorstCase]:
+    """Every rule's worst case, best (lowest score) first. Needs clean FedAvg (mean, none) per partition.
+
+    A rule must have been run under every attack of its partition to be scored fairly, so the attacks it
+    misses are listed (and it is ranked after the complete ones).
+    """
+    partitions = [p for p in PARTITIONS if any(k[0] == p for k in table)]
+    rules = sorted({k[1] for k in table if include_mean or k[1] != CLEAN_RULE})
+    cases = []
+    for rule in rules:
+        gap, asr, missing, terms = {}, {}, {}, []
+        for p in partitions:
+            clean = table.get((p, CLEAN_RULE, CLEAN_ATTACK))
+            if clean is None:
+                raise ValueError(f"no clean FedAvg run (rule mean, attack none) for partition {p!r}")
+            attacks = sorted({k[2] for k in table if k[0] == p})
+            ran = {a: table[(p, rule, a)] for a in attacks if (p, rule, a) in table}
+            if not ran:
+                continue
+            missing[p] = [a for a in attacks if a not in ran and a != CLEAN_ATTACK]
+            worst = max(ran, key=lambda a: clean.accuracy - ran[a].accuracy)
+            gap[p] = (clean.accuracy - ran[worst].accuracy, worst)
+            goal = GOAL_GAP.get(p, GOAL_GAP["dirichlet"])
+            terms.append((gap[p][0] / goal, math.hypot(clean.accuracy_sem, ran[worst].accuracy_sem) / goal))
+            asr[p] = ran[BACKDOOR].asr if BACKDOOR in ran else math.nan
+            if not math.isnan(asr[p]):
+                terms.append((asr[p] / GOAL_ASR, ran[BACKDOOR].asr_sem / GOAL_ASR))
+        if gap:
+            cases.append(WorstCase(rule, gap, asr, missing, terms))
+    return sorted(cases, key=lambda c: (any(c.missing.values()), c.score))
+
+
+def choose(cases: list[WorstCase], incumbent: str) -> tuple[WorstCase, str]:
+    """The default and why: the lowest score, unless the incumbent's is within the seeds' noise of it.
+
+    Changing a default changes every user's runs, so a challenger must beat the incumbent by more than
+    one combined standard error; otherwise the ranking is a coin toss of the seeds.
+    """
+    best = cases[0]
+    current = next((c for c in cases if c.rule == incumbent and not any(c.missing.values())), None)
+    if current is None or current is best:
+        return best, "the lowest score"
+    noise = math.hypot(best.score_sem, current.score_sem)
+    if current.score - best.score <= noise:
+        return current, (
+            f"kept: {best.rule}'s lower score ({best.score:.2f} ± {best.score_sem:.2f}) is within the seeds' "
+            f"noise (± {noise:.2f}) of the current default's {current.score:.2f} ± {current.score_sem:.2f}"
+        )
+    return best, f"the lowest score, {current.score - best.score:.2f} below {incumbent}'s (noise ± {noise:.2f})"
+
+
+def _pts(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _asr(x: float) -> str:
+    return "–" if math.isnan(x) else f"{x:.3f}"
+
+
+def section(
+    dirs: Sequence[Path], figure: Path | None = None, *, commands: Sequence[str] = (), incumbent: str = DEFAULT
+) -> list[str]:
+    """The report section: each fixed configuration's worst case, the chosen default, then per attack."""
+    results = labelled_results(dirs)
+    if not results:
+        return []
+    table = cells(results)
+    cases = worst_cases(table)
+    chosen, why = choose(cases, incumbent) if cases else (None, "")
+    mean_case = next(iter(c for c in worst_cases(table, include_mean=True) if c.rule == CLEAN_RULE), None)
+    partitions = [p for p in PARTITIONS if any(k[0] == p for k in table)]
+    attacks = {p: sorted({k[2] for k in table if k[0] == p}) for p in partitions}
+    seeds = sorted({r["seed"] for r in results})
+    goal = " and ".join(f"{_pts(GOAL_GAP[p])} pts {p}" for p in partitions)
+    lines = [
+        "## Robust by default: the worst case of each fixed configuration",
+        "",
+        "```",
+        *commands,
+        "```",
+        "",
+        f"{len(results)} runs. Digits, MLP, {results[0]['num_clients']} clients, f = {results[0]['num_byzantine']}, "
+        f"{results[0]['num_rounds']} rounds, seeds {', '.join(map(str, seeds))}; each cell is the final accuracy "
+        "averaged over the seeds (a run that stopped counts as 0). The gap is clean FedAvg's accuracy (mean, "
+        "no attack) minus the configuration's under an attack, in points; a configuration is worth its "
+        "**largest** gap over the attack set, since a user does not know the attack in advance. Score: the "
+        f"largest gap divided by its goal ({goal}) or the backdoor's attack success rate on triggered "
+        f"test images divided by its goal ({GOAL_ASR:.2f}), whichever is larger: a score <= 1 meets every "
+        "goal. The lowest score is the default, unless the current default's score is within the seeds' "
+        "noise of it (one combined standard error of the measures that set the two scores).",
+        "",
+        "| configuration | " + " | ".join(f"worst gap, {p} (attack)" for p in partitions)
+        + " | score ± s.e. | " + " | ".join(f"backdoor ASR, {p}" for p in partitions) + " |",
+        "|---|" + "---|" * (2 * len(partitions) + 1),
+    ]
+    for case in [*cases, *([mean_case] if mean_case else [])]:
+        name = f"**{case.rule}** (chosen)" if case is chosen else case.rule
+        if case.rule == CLEAN_RULE:
+            name = "mean (no defense)"
+        gaps = [f"{_pts(case.gap[p][0])} ({case.gap[p][1]})" if p in case.gap else "–" for p in partitions]
+        asr = [_asr(case.asr.get(p, math.nan)) for p in partitions]
+        lacking = sorted({a for m in case.missing.values() for a in m})
+        suffix = f" (not run under {', '.join(lacking)})" if lacking else ""
+        score = f"{case.score:.2f} ± {case.score_sem:.2f}"
+        lines.append(f"| {name}{suffix} | " + " | ".join(gaps) + f" | {score} | " + " | ".join(asr) + " |")
+    lines.append("")
+    if chosen is not None:
+        best = chosen
+        missed = [f"{p}: worst gap {_pts(g)} pts ({a}), goal {_pts(GOAL_GAP[p])}"
+                  for p, (g, a) in best.gap.items() if g > GOAL_GAP[p]]
+        missed += [f"{p}: backdoor ASR {asr:.3f}, goal {GOAL_ASR:.2f}"
+                   for p, asr in best.asr.items() if asr > GOAL_ASR]
+        lines += [
+            f"Chosen default: **{best.rule}** (score {best.score:.2f}; {why}); goals "
+            + ("met." if not missed else "**not met**: " + "; ".join(missed) + "."),
+            "",
+        ]
+    if mean_case is not None:
+        broken = []
+        for p in partitions:
+            clean = table[(p, CLEAN_RULE, CLEAN_ATTACK)].accuracy
+            for attack in MUST_BREAK_MEAN:
+                cell = table.get((p, CLEAN_RULE, attack))
+                if cell is not None:
+                    gap = clean - cell.accuracy
+                    verdict = "broken" if gap >= BROKEN_GAP else f"**not broken** (< {_pts(BROKEN_GAP)} pts)"
+                    broken.append(f"  * {p}, {attack}: {_pts(gap)} pts below clean - {verdict}")
+        if broken:
+            lines += [f"The plain mean under the attacks that should break it (>= {_pts(BROKEN_GAP)} points):",
+                      "", *broken, ""]
+    if figure is not None:
+        plot(cases + ([mean_case] if mean_case else []), partitions, figure)
+        lines += [f"![worst gap and backdoor success rate of each configuration](figures/{figure.name})", ""]
+    for p in partitions:
+        clean = table[(p, CLEAN_RULE, CLEAN_ATTACK)].accuracy
+        lines += [
+            f"**{p}**: gap to clean FedAvg ({clean:.3f}) per attack, points (negative: above clean)",
+            "",
+            "| configuration | " + " | ".join(attacks[p]) + " |",
+            "|---|" + "---|" * len(attacks[p]),
+        ]
+        for case in cases:
+            row = [
+                _pts(clean - table[(p, case.rule, a)].accuracy) if (p, case.rule, a) in table else "–"
+                for a in attacks[p]
+            ]
+            lines.append(f"| {case.rule} | " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
+
+
+def plot(cases: list[WorstCase], partitions: list[str], path: Path) -> None:
+    """Both halves of the trade-off, per configuration: the worst accuracy gap and the backdoor ASR.
+
+    Goals as dashed lines. The plain mean is left out: its 70-point gaps would flatten every other bar.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [c for c in cases if c.rule != CLEAN_RULE]
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.6 * len(cases)), 3.8))
+    width = 0.8 / max(1, len(partitions))
+    panels = (
+        (axes[0], lambda c, p: 100 * c.gap[p][0] if p in c.gap else 0.0, lambda p: 100 * GOAL_GAP[p],
+         "worst gap to clean FedAvg (points)"),
+        (axes[1], lambda c, p: c.asr.get(p, 0.0), lambda p: GOAL_ASR, "backdoor attack success rate"),
+    )
+    for ax, value, goal, label in panels:
+        for j, p in enumerate(partitions):
+            xs = [i + (j - (len(partitions) - 1) / 2) * width for i in range(len(cases))]
+            ax.bar(xs, [value(c, p) for c in cases], width, label=p, color=f"C{j}")
+            ax.axhline(goal(p), color=f"C{j}", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(cases)), [c.rule for c in cases], rotation=35, ha="right")
+        ax.set_ylabel(label)
+    axes[0].legend(title="partition (dashed: goal)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,134 @@
+"""The worst-case scoring that chooses the default configuration (experiments/worst_case.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from experiments import worst_case
+
+
+def _run(partition: str, rule: str, attack: str, seed: int, acc: float, *, status: str = "ok",
+         asr: float | None = None) -> dict[str, Any]:
+    row: dict[str, Any] = {"round": 15, "accuracy": acc}
+    if asr is not None:
+        row["backdoor_asr"] = asr
+    return {"partition": partition, "rule": rule, "attack": attack, "seed": seed, "status": status,
+            "rows": [row] if status == "ok" else [], "num_clients": 20, "num_byzantine": 4, "num_rounds": 15}
+
+
+def _write(directory: Path, runs: list[dict[str, Any]], extra: list[str] | None = None) -> Path:
+    directory.mkdir(parents=True)
+    for r in runs:
+        (directory / f"{r['partition']}__{r['rule']}__{r['attack']}__s{r['seed']}.json").write_text(json.dumps(r))
+    (directory / "study.json").write_text(json.dumps({"command": "python -m experiments.study ...",
+                                                      "settings": {"extra": extra or []}}))
+    return directory
+
+
+def _study(tmp_path: Path) -> list[Path]:
+    runs = []
+    for p in ("iid", "dirichlet"):
+        runs += [_run(p, "mean", "none", s, 0.96) for s in (0, 1)]
+        # "steady": small gaps everywhere; "spiky": best on average but one attack costs 10 points.
+        runs += [_run(p, "steady", a, s, acc) for s in (0, 1)
+                 for a, acc in (("none", 0.958), ("min_max", 0.955), ("mimic", 0.952))]
+        runs += [_run(p, "spiky", a, s, acc) for s in (0, 1)
+                 for a, acc in (("none", 0.962), ("min_max", 0.961), ("mimic", 0.86))]
+        runs += [_run(p, "mean", "min_max", s, 0.50) for s in (0, 1)]
+        # One seed stopped (no quorum): it counts as accuracy 0, so this rule's worst case is that attack.
+        runs += [_run(p, "fragile", a, 0, 0.96) for a in ("none", "min_max")]
+        runs += [_run(p, "fragile", "mimic", 0, 0.96), _run(p, "fragile", "mimic", 1, 0.0, status="quorum_error")]
+        runs += [_run(p, r, "backdoor", s, 0.954, asr=0.02) for r in ("steady", "spiky", "fragile") for s in (0, 1)]
+        runs += [_run(p, "partial", "none", s, 0.96) for s in (0, 1)]
+    main = _write(tmp_path / "main", runs)
+    accuracies = (("steady", 0.953), ("spiky", 0.957), ("fragile", 0.96), ("mean", 0.2))
+    scaled = _write(tmp_path / "scaled", [_run(p, r, "sign_flip", 0, acc) for p in ("iid", "dirichlet")
+                                          for r, acc in accuracies], extra=["attack.params.scale=4.0"])
+    return [main, scaled]
+
+
+def test_rules_rank_by_their_worst_attack_not_their_average(tmp_path: Path) -> None:
+    table = worst_case.cells(worst_case.labelled_results(_study(tmp_path)))
+    cases = {c.rule: c for c in worst_case.worst_cases(table)}
+    ranked = [c.rule for c in worst_case.worst_cases(table)]
+
+    assert ranked[0] == "steady"
+    assert cases["steady"].gap["iid"] == (pytest.approx(0.96 - 0.952), "mimic")
+    assert cases["spiky"].gap["dirichlet"] == (pytest.approx(0.10), "mimic")
+    # A stopped seed scores 0: mean of 0.96 and 0 over the two seeds.
+    assert cases["fragile"].gap["iid"] == (pytest.approx(0.96 - 0.48), "mimic")
+    # Score: the worst gap over its goal (1 point IID, 2 points Dirichlet), the larger of the two.
+    assert cases["steady"].score == pytest.approx(max(0.008 / 0.01, 0.008 / 0.02))
+    assert cases["steady"].asr == {"iid": pytest.approx(0.02), "dirichlet": pytest.approx(0.02)}
+    # Run under fewer attacks: listed, and ranked after every complete rule whatever its score.
+    assert ranked == ["steady", "spiky", "fragile", "partial"]
+    assert "mimic" in cases["partial"].missing["iid"] and not cases["fragile"].missing["iid"]
+    assert math.isnan(cases["partial"].asr["iid"])
+    assert "mean" not in cases
+
+
+def test_a_sweep_with_extra_settings_is_its_own_attack(tmp_path: Path) -> None:
+    results = worst_case.labelled_results(_study(tmp_path))
+    assert "sign_flip (scale=4.0)" in {r["attack"] for r in results}
+    assert "sign_flip" not in {r["attack"] for r in results}
+
+
+def test_section_names_the_default_and_the_broken_mean(tmp_path: Path) -> None:
+    figure = tmp_path / "figures" / "default_choice.png"
+    text = "\n".join(worst_case.section(_study(tmp_path), figure, commands=["python -m experiments.study X"]))
+
+    assert "**steady** (chosen)" in text
+    assert "Chosen default: **steady** (score 0.80; the lowest score); goals met." in text
+    assert "iid, sign_flip (scale=4.0): 76.0 pts below clean - broken" in text
+    assert "dirichlet, min_max: 46.0 pts below clean - broken" in text
+    assert figure.stat().st_size > 0
+
+
+def test_no_clean_fedavg_is_an_error_that_says_which(tmp_path: Path) -> None:
+    directory = _write(tmp_path / "d", [_run("iid", "steady", "none", 0, 0.9)])
+    table = worst_case.cells(worst_case.labelled_results([directory]))
+    with pytest.raises(ValueError, match="no clean FedAvg run .* partition 'iid'"):
+        worst_case.worst_cases(table)
+
+
+def test_a_backdoor_that_succeeds_outweighs_small_accuracy_gaps(tmp_path: Path) -> None:
+    runs = [_run(p, "mean", "none", 0, 0.96) for p in ("iid", "dirichlet")]
+    for p in ("iid", "dirichlet"):
+        # "mixing": loses nothing in accuracy, but the backdoor takes hold (ASR 0.6 against a 0.05 goal).
+        runs += [_run(p, "mixing", "none", 0, 0.96), _run(p, "mixing", "backdoor", 0, 0.96, asr=0.6)]
+        # "trimming": 3 points down under the backdoor's presence, and the backdoor fails.
+        runs += [_run(p, "trimming", "none", 0, 0.96), _run(p, "trimming", "backdoor", 0, 0.93, asr=0.01)]
+    table = worst_case.cells(worst_case.labelled_results([_write(tmp_path / "d", runs)]))
+    cases = worst_case.worst_cases(table)
+    assert [c.rule for c in cases] == ["trimming", "mixing"]
+    assert cases[1].score == pytest.approx(0.6 / 0.05)
+    assert cases[0].score == pytest.approx(0.03 / 0.01)
+    text = "\n".join(worst_case.section([tmp_path / "d"]))
+    assert "Chosen default: **trimming** (score 3.00; the lowest score); goals **not met**: iid: worst gap 3.0" in text
+
+
+def _noisy_study(tmp_path: Path, challenger: tuple[float, float]) -> list[worst_case.WorstCase]:
+    """Clean 0.96 on both seeds; the incumbent loses 2 points steadily, the challenger by seed as given."""
+    runs = [_run("iid", "mean", "none", s, 0.96) for s in (0, 1)]
+    runs += [_run("iid", "incumbent", "min_max", s, 0.94) for s in (0, 1)]
+    runs += [_run("iid", "challenger", "min_max", s, acc) for s, acc in enumerate(challenger)]
+    table = worst_case.cells(worst_case.labelled_results([_write(tmp_path / "d", runs)]))
+    return worst_case.worst_cases(table)
+
+
+def test_the_default_changes_only_when_the_challenger_wins_beyond_the_seeds_noise(tmp_path: Path) -> None:
+    # Challenger: 1.5 points on average, but 0.96 and 0.93 by seed: s.e. 1.5 points, score 1.5 ± 1.5.
+    cases = _noisy_study(tmp_path / "a", (0.96, 0.93))
+    assert [c.rule for c in cases] == ["challenger", "incumbent"]
+    assert cases[0].score_sem == pytest.approx(0.015 / 0.01)
+    chosen, why = worst_case.choose(cases, "incumbent")
+    assert chosen.rule == "incumbent" and why.startswith("kept: challenger's lower score (1.50 ± 1.50)")
+    # A steady challenger (0.5 points on both seeds) wins.
+    cases = _noisy_study(tmp_path / "b", (0.955, 0.955))
+    chosen, why = worst_case.choose(cases, "incumbent")
+    assert chosen.rule == "challenger" and why.startswith("the lowest score, 1.50 below incumbent's")
