@@ -32,20 +32,21 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
-from flwr_datasets import FederatedDataset
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    Partitioner,
-    PathologicalPartitioner,
-)
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
+
+if TYPE_CHECKING:
+    import datasets
+    from flwr_datasets import FederatedDataset
+    from flwr_datasets.partitioner import Partitioner
+
+# Hugging Face datasets, flwr-datasets and scikit-learn are imported by the functions that use them, not
+# here: together they cost about 2.3 s of CPU to import (flwr-datasets pulls in seaborn, pandas and
+# scipy.stats), and a SuperNode starts a fresh ClientApp process for every message, where a device
+# reading its own .npz or .safetensors file (load_local) needs none of them.
 
 __all__ = [
     "DATASETS",
@@ -278,6 +279,8 @@ def partition_indices(
     key = (hashlib.sha256(y.tobytes()).hexdigest(), num_partitions, partitioner, params, seed)
     load = _INDEX_LOADERS.get(key)
     if load is None:
+        import datasets
+
         table = datasets.Dataset.from_dict({"index": np.arange(len(y), dtype=np.int64), _LABEL: y})
         part = _make_partitioner(partitioner, num_partitions, params, len(y), seed)
         part.dataset = table
@@ -346,6 +349,10 @@ def _resolve_data_dir(name: str, data_dir: str | os.PathLike[str] | None) -> str
 @functools.lru_cache(maxsize=8)
 def _digits_splits(seed: int) -> tuple[datasets.Dataset, tuple[np.ndarray, np.ndarray]]:
     """Return the digits training split as a Hugging Face dataset and the test split as arrays."""
+    import datasets
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     x, y = load_digits(return_X_y=True)
     # Pixel intensities are integers in 0..16.
     x = (x / 16.0).astype(np.float32)
@@ -370,6 +377,8 @@ def _make_partitioner(
     num_rows: int | None,
     seed: int,
 ) -> Partitioner:
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
     if partitioner == "iid":
         return IidPartitioner(num_partitions=num_partitions)
     if partitioner == "dirichlet":
@@ -447,6 +456,8 @@ def _federated_dataset(
     data_dir: str | None,
 ) -> FederatedDataset:
     """Return a FederatedDataset over the Hub data set, or over its local copy when ``data_dir`` is set."""
+    from flwr_datasets import FederatedDataset
+
     # datasets.load_dataset takes a Hub id or a local folder in the same argument.
     source = data_dir if data_dir is not None else _HUB_SOURCES[name].hub_id
     return FederatedDataset(dataset=source, partitioners=partitioners, shuffle=shuffle, seed=seed)
@@ -522,6 +533,8 @@ def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorD
     if not where.exists():
         raise ValueError(f"data-path {str(where)!r} does not exist")
     if where.is_dir() and isinstance(name, DatasetSpec):
+        import datasets
+
         table = datasets.load_from_disk(str(where)).with_format("numpy")
         column = next((c for c in (_LABEL, "y") if c in table.column_names), None)
         if _DIGITS_FEATURE not in table.column_names or column is None:
@@ -530,6 +543,8 @@ def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorD
         x = torch.from_numpy(np.asarray(table[_DIGITS_FEATURE], dtype=np.float32))
         y = torch.from_numpy(np.asarray(table[column], dtype=np.int64))
     elif where.is_dir():
+        import datasets
+
         assert isinstance(name, str)  # a DatasetSpec directory is read above
         x, y = _to_tensors(name, datasets.load_from_disk(str(where))).tensors
     elif where.suffix == ".npz":

@@ -79,8 +79,8 @@ BYZANTINE = 3  # attack=ATTACK in its node config, trusted key
 ATTACK = "nan"  # its update is signed, then refused by validation: a trace of the attack in every round
 FORGER = 4  # signs with a key the server does not trust
 KILLED = 2  # honest; SIGKILLed after round 1 of the signed run
-# fault.round_timeout. Every message starts a fresh ClientApp process on its SuperNode (flwr, torch
-# and the data stack are imported each time: ~7 s of CPU), five of them at once on a 2-core machine:
+# fault.round_timeout. Every message starts a fresh ClientApp process on its SuperNode (flwr and torch
+# are imported each time), five of them at once on a 2-core machine:
 # round 1 took 28-42 s on the shared development machine, 55-61 s at load 10. Round 2 waits this long
 # for the killed node, unless the SuperLink marks it offline first (60 s without heartbeats) and
 # answers NODE_UNAVAILABLE, which it does before this deadline.

@@ -30,7 +30,7 @@ the order is the same too (and it skips the median's numba kernels, whose first 
 deployed ServerApp here).
 
 Wall time: 400-630 s on the shared 2-core development machine at load 7-13. Every message starts a
-ClientApp process on its SuperNode (~7 s of CPU each); the four runs train 2, 1, 0 (killed in round 2)
+ClientApp process on its SuperNode (flwr and torch imported each time); the four runs train 2, 1, 0 (killed in round 2)
 and 1 rounds, each after a discovery query to every node.
 """
 

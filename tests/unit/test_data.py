@@ -248,3 +248,24 @@ def test_hub_dataset_missing_local_copy(tmp_path: Path) -> None:
         data.load_partition("mnist", 0, 2, data_dir=tmp_path)
     with pytest.raises(FileNotFoundError, match="uoft-cs/cifar10"):
         data.load_test_set("cifar10", data_dir=tmp_path)
+
+
+def test_a_device_reading_its_own_file_imports_no_dataset_library(tmp_path: Path) -> None:
+    """A SuperNode starts a ClientApp process per message: reading a device's .npz must not pay for
+    Hugging Face datasets, flwr-datasets or scikit-learn (about 2.3 s of CPU to import)."""
+    import subprocess
+    import sys
+
+    x, y = load_digits(return_X_y=True)
+    np.savez(tmp_path / "device.npz", x=(x[:50] / 16.0).astype(np.float32), y=y[:50])
+    code = (
+        "import sys\n"
+        "from fedrobust import components\n"
+        "from fedrobust.config import RunConfig\n"
+        f"ds = components.load_local({str(tmp_path / 'device.npz')!r}, RunConfig())\n"
+        "assert len(ds) == 50, len(ds)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'datasets', 'flwr_datasets', 'sklearn'}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
