@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -176,7 +177,7 @@ def test_invalid_round_is_rejected() -> None:
         LivenessTracker().record_miss(1, -1)
 
 
-def test_a_node_flower_no_longer_lists_is_dead_and_not_reported_alive() -> None:
+def test_a_node_flower_no_longer_lists_is_dead_and_not_reported_alive(caplog: pytest.LogCaptureFixture) -> None:
     """After a restart that gave the nodes new ids (a resumed simulation) the old ids are gone from
     Flower's node list: they are dead in the round's report, never sampled, and alive again if listed again."""
     from types import SimpleNamespace
@@ -189,7 +190,11 @@ def test_a_node_flower_no_longer_lists_is_dead_and_not_reported_alive() -> None:
 
     strategy = RobustStrategy(aggregator="median", progress=False)
     assert strategy.refresh_liveness(grid([1, 2, 3, 4]), 1) == [1, 2, 3, 4]
-    assert strategy.refresh_liveness(grid([5, 6, 7, 8]), 2) == [5, 6, 7, 8]
+    with caplog.at_level(logging.INFO, logger="fedrobust.liveness"):
+        assert strategy.refresh_liveness(grid([5, 6, 7, 8]), 2) == [5, 6, 7, 8]
+    # The log says why: the node is gone from the list, not reported offline by the SuperLink.
+    assert "node 1 no longer listed by Flower: marked dead" in caplog.text
+    assert "reported offline" not in caplog.text
     assert strategy.liveness.snapshot() == {"alive": 4, "suspected": 0, "dead": 4, "quarantined": 0}
     assert strategy.refresh_liveness(grid([1, 5, 6, 7, 8]), 3) == [1, 5, 6, 7, 8]
     assert strategy.liveness.status(1) == "alive" and strategy.liveness.status(2) == "dead"
