@@ -97,7 +97,15 @@ def test_bad_signature_random_bytes(fed: Federation) -> None:
     assert fed.verify(reply, signature=os.urandom(64)) == REASON_BAD_SIGNATURE
 
 
-@pytest.mark.parametrize("signature", [os.urandom(63), os.urandom(65), "not bytes", 12345, np.zeros(64, np.uint8)])
+# Seeded bytes, not os.urandom: the same test ids in every collection (pytest-xdist's workers must agree).
+_RANDOM = random.Random(0)
+
+
+@pytest.mark.parametrize(
+    "signature",
+    [_RANDOM.randbytes(63), _RANDOM.randbytes(65), "not bytes", 12345, np.zeros(64, np.uint8)],
+    ids=["63 bytes", "65 bytes", "str", "int", "ndarray"],
+)
 def test_malformed_signature_is_bad_signature(fed: Federation, signature: Any) -> None:
     reply = fed.reply(0, node_id=11, rnd=1, nonce=fed.send(11, 1))
     assert fed.verify(reply, signature=signature) == REASON_BAD_SIGNATURE
