@@ -31,8 +31,8 @@ from matplotlib import colors
 
 from experiments import worst_case
 from experiments.study import ATTACKS, OK, PARTITIONS, QUORUM, RULES, load_results
+from experiments.worst_case import CLEAN_ATTACK, CLEAN_RULE
 
-CLEAN_RULE, CLEAN_ATTACK = "mean", "none"
 # Accuracy-point gaps allowed between the best robust configuration and clean FedAvg.
 TARGET_GAP = {"iid": 0.02, "dirichlet": 0.05}
 # "Visibly hurt": the plain mean under attack loses at least this much final accuracy.

@@ -21,14 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from experiments.study import OK, PARTITIONS, load_results
+from fedrobust.config import AggregatorConfig
 
 CLEAN_RULE, CLEAN_ATTACK = "mean", "none"
 BACKDOOR = "backdoor"
 # The goals of a default (accuracy points below clean FedAvg, worst attack) and of its backdoor success rate.
 GOAL_GAP = {"iid": 0.01, "dirichlet": 0.02}
 GOAL_ASR = 0.05
-# The default of RobustStrategy, RunConfig and conf/config.yaml: a challenger must beat it beyond the noise.
-DEFAULT = "trimmed_mean"
+# The default rule (RunConfig's, which conf/config.yaml and RobustStrategy share): a challenger must beat it
+# beyond the noise.
+DEFAULT = AggregatorConfig().name
 # "Visibly broken": the plain mean loses at least this much under the attacks that should break it.
 BROKEN_GAP = 0.20
 MUST_BREAK_MEAN = ("sign_flip (scale=4.0)", "min_max", "fang_krum", "fang_trimmed_mean")
