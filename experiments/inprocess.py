@@ -40,7 +40,7 @@ import logging
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -113,6 +113,9 @@ class InProcessGrid(Grid):
         Draws the node ids and the run id.
     run_config : dict, optional
         The run config the nodes' contexts carry (``Context.run_config``).
+    nodes : mapping, optional
+        Node id -> node config, instead of ``num_nodes`` partitions: the nodes of a deployment
+        (``flower-supernode --node-config``, e.g. a ``data-path`` each), to replay its runs here.
     """
 
     def __init__(
@@ -122,23 +125,29 @@ class InProcessGrid(Grid):
         *,
         seed: int = 0,
         run_config: dict[str, Any] | None = None,
+        nodes: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+        if nodes is None:
+            ids = node_ids_for(seed, num_nodes)
+            nodes = {node_id: {"partition-id": i, "num-partitions": num_nodes} for i, node_id in enumerate(ids)}
+        elif len(nodes) != num_nodes:
+            raise ValueError(f"{len(nodes)} node configs for {num_nodes} nodes")
         self.client_app = client_app
         run = Run.create_empty(run_id=_run_id_for(seed))
         run.override_config = dict(run_config or {})
         self._run: Run | None = run
-        self._node_ids = node_ids_for(seed, num_nodes)
+        self._node_ids = list(nodes)
         self._contexts = {
             node_id: Context(
                 run_id=run.run_id,
                 node_id=node_id,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
+                node_config=dict(node_config),
                 state=RecordDict(),
                 run_config=dict(run.override_config),
             )
-            for i, node_id in enumerate(self._node_ids)
+            for node_id, node_config in nodes.items()
         }
         # Replies waiting to be pulled, by the id of the message they answer.
         self._replies: dict[str, Message] = {}
@@ -258,6 +267,7 @@ def run_inprocess(
     echo: bool = False,
     client_app: ClientApp | None = None,
     on_strategy: Callable[[RobustStrategy], None] | None = None,
+    nodes: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` in-process nodes; return the metrics rows.
 
@@ -267,7 +277,8 @@ def run_inprocess(
     a test's misbehaving one), whose ``Context.state`` goes into the round checkpoints as in
     ``experiments/simulate.py``. ``metrics.jsonl``, ``final_model.safetensors`` and the resolved
     config go to ``out_dir`` (a temporary directory when None). ``on_strategy`` sees the strategy
-    before it starts (e.g. to request a stop).
+    before it starts (e.g. to request a stop). ``nodes`` (node id -> node config) replaces the
+    seed's node ids and partitions, e.g. with a deployment's SuperNodes and their device data.
 
     PyTorch is limited to one thread in this process (the models are tiny; a sweep runs one
     process per core instead).
@@ -287,7 +298,7 @@ def run_inprocess(
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
         app = with_client_state(client_app if client_app is not None else make_client_app(cfg))
-        grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat())
+        grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat(), nodes=nodes)
         with _server_identity(grid.run.run_id):
             run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy, progress=echo)
         return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

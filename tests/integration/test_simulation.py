@@ -76,14 +76,14 @@ def test_client_exceptions_and_missed_deadlines_count_as_dropped(tmp_path: Path)
         if partition == 0 and server_round == 1:
             raise RuntimeError("client crashed")
         if partition == 1 and server_round == 2:
-            time.sleep(40)  # straggler: far past the round deadline
+            time.sleep(30)  # straggler: well past the round deadline
 
     _run(cfg, tampering_client(cfg, tamper))
     rows = read_rows(Path(cfg.output_dir))
     assert rows[0]["dropped"] == 1 and rows[0]["accepted"] == 4 and rows[0]["aggregated"] is True
     assert rows[1]["dropped"] == 1 and rows[1]["accepted"] == 4 and rows[1]["aggregated"] is True
     # The deadline, not the straggler, ended round 2.
-    assert 19 < rows[1]["seconds_train"] < 35
+    assert 19 < rows[1]["seconds_train"] < 27
 
 
 def test_too_few_valid_replies_never_aggregates_and_stops_with_a_checkpoint(tmp_path: Path) -> None:

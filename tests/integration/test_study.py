@@ -82,6 +82,27 @@ def test_grid_turns_a_raising_clientapp_into_an_error_reply() -> None:
     assert list(grid.pull_messages(ids)) == []  # a reply is handed out once
 
 
+def test_grid_replays_given_nodes_with_their_node_configs() -> None:
+    """A deployment's node ids and ``--node-config``s (e.g. device data files) instead of the seed's partitions."""
+    app = ClientApp()
+
+    @app.query()
+    def hello(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({"info": ConfigRecord(dict(context.node_config))}), reply_to=msg)
+
+    nodes = {90210: {"data-path": "/data/a.npz"}, 31337: {"data-path": "/data/b.npz", "device": "cpu"}}
+    grid = InProcessGrid(app, 2, seed=7, nodes=nodes)
+    assert list(grid.get_node_ids()) == [90210, 31337]
+    with _server_identity(grid.run.run_id):
+        ids = list(grid.push_messages(
+            [Message(RecordDict({}), dst_node_id=n, message_type=MessageType.QUERY) for n in nodes]
+        ))
+        replies = {r.metadata.src_node_id: dict(r.content["info"]) for r in grid.pull_messages(ids)}
+    assert replies == nodes
+    with pytest.raises(ValueError, match="2 node configs for 3 nodes"):
+        InProcessGrid(app, 3, nodes=nodes)
+
+
 def test_small_sweep_report_and_the_effect_of_sign_flip(tmp_path: Path) -> None:
     results_dir, docs = tmp_path / "results", tmp_path / "docs"
     kwargs = {

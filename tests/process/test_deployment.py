@@ -116,6 +116,13 @@ def _device_data(device_dir: Path, i: int) -> Path:
     return path
 
 
+def device_node_config(root: Path, i: int, *, write: bool = False) -> dict[str, str]:
+    """Device ``i``'s node config: its own data file under ``root`` (written when ``write``), on the CPU."""
+    device = root / f"device-{i}"
+    path = _device_data(device, i) if write else device / "train.npz"
+    return {"data-path": str(path), "device": "cpu"}
+
+
 def _flwr(fp: FlowerProcesses, *args: str, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess[str]:
     """One ``flwr`` CLI call against the temp FLWR_HOME (``flwr`` itself runs to completion here)."""
     return subprocess.run(
@@ -183,7 +190,7 @@ def start_devices(
     for i, (auth_private, _) in enumerate(auth_keys):
         device = fp.tmp_path / f"device-{i}"
         # A real device trains on its own files (prepared beforehand), not on a partition id.
-        config = {"data-path": str(_device_data(device, i)), "device": "cpu"}
+        config = device_node_config(fp.tmp_path, i, write=True)
         config.update(node_configs[i] if node_configs else {})
         nodes.append(
             fp.start_supernode(

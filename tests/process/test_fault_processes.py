@@ -1,6 +1,7 @@
 """Faults of real processes: the server's (signals, kill -9, corrupted checkpoints) and a client's.
 
-One reference run goes uninterrupted. A second run of the same config is stopped with
+The reference is the same experiment run uninterrupted in the test's own process (the same ServerApp
+loop and ClientApp, without Ray: tests/support/hydra_runs.py), while a run of it is stopped with
 SIGTERM (it must checkpoint and exit 75), resumed and then killed with SIGKILL at a random
 moment (possibly while a checkpoint is being written); its newest checkpoint is then
 corrupted, and a last resume must fall back to the previous checkpoint and still end
@@ -17,6 +18,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,47 +28,54 @@ from flwr.simulation import run_simulation
 from experiments.simulate import backend_config
 from fedrobust.strategies.errors import EXIT_PREEMPTED
 from fedrobust.strategies.server_app import make_server_app
-from tests.support.hydra_runs import committed, finish, hydra_command, kill_tree, rounds_on_disk, start, wait_for
+from tests.support.hydra_runs import (
+    committed,
+    finish,
+    hydra_command,
+    kill_tree,
+    rounds_on_disk,
+    start,
+    uninterrupted_final_bytes,
+    wait_for,
+)
 from tests.support.simulation import read_rows, small_config, tampering_client
 
 pytestmark = pytest.mark.slow
 
 
 def test_sigterm_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_path: Path) -> None:
-    reference = start(hydra_command(tmp_path / "ref", tmp_path / "ref-ckpt"), tmp_path / "ref.log")
-    assert finish(reference) == 0, reference.tail()
-    expected = (tmp_path / "ref" / "final_model.safetensors").read_bytes()
-
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    # 1. Preemption: SIGTERM after round 2 -> checkpoint written, exit code 75.
-    first = start(hydra_command(run_dir, ckpt), tmp_path / "first.log")
-    wait_for(first, "[round   2/")
-    first.popen.send_signal(signal.SIGTERM)
-    assert finish(first) == EXIT_PREEMPTED, first.tail()
-    assert "checkpoint written" in first.log_path.read_text()
-    stopped_at = committed(ckpt)
-    assert stopped_at >= 2
+    with ThreadPoolExecutor(1) as pool:  # the reference trains in this process while the first run starts Ray
+        reference = pool.submit(uninterrupted_final_bytes, tmp_path / "ref")
+        # 1. Preemption: SIGTERM after round 2 -> checkpoint written, exit code 75.
+        first = start(hydra_command(run_dir, ckpt), tmp_path / "first.log")
+        wait_for(first, "[round   2/")
+        first.popen.send_signal(signal.SIGTERM)
+        assert finish(first) == EXIT_PREEMPTED, first.tail()
+        assert "checkpoint written" in first.log_path.read_text()
+        stopped_at = committed(ckpt)
+        assert stopped_at >= 2
 
-    # 2. Resume, then kill -9 the whole process tree at a random moment after round 4 began.
-    second = start(hydra_command(run_dir, ckpt), tmp_path / "second.log")
-    wait_for(second, f"resumed after round {stopped_at}")
-    wait_for(second, f"[round   {stopped_at + 1}/")
-    time.sleep(random.uniform(0.0, 1.5))
-    kill_tree(second)
-    assert finish(second) == -signal.SIGKILL
-    kept = rounds_on_disk(ckpt)
-    assert kept and max(kept) > stopped_at
+        # 2. Resume, then kill -9 the whole process tree at a random moment after round 4 began.
+        second = start(hydra_command(run_dir, ckpt), tmp_path / "second.log")
+        wait_for(second, f"resumed after round {stopped_at}")
+        wait_for(second, f"[round   {stopped_at + 1}/")
+        time.sleep(random.uniform(0.0, 1.5))
+        kill_tree(second)
+        assert finish(second) == -signal.SIGKILL
+        kept = rounds_on_disk(ckpt)
+        assert kept and max(kept) > stopped_at
 
-    # 3. Corrupt the newest checkpoint: the resume must detect it and use the one before.
-    newest = ckpt / f"round-{max(kept):06d}" / "tensors.safetensors"
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    newest.write_bytes(bytes(data))
-    third = start(hydra_command(run_dir, ckpt), tmp_path / "third.log")
-    assert finish(third) == 0, third.tail()
-    log = third.log_path.read_text()
-    assert "resumed after round" in log and f"resumed after round {max(kept)}" not in log
-    assert (run_dir / "final_model.safetensors").read_bytes() == expected
+        # 3. Corrupt the newest checkpoint: the resume must detect it and use the one before.
+        newest = ckpt / f"round-{max(kept):06d}" / "tensors.safetensors"
+        data = bytearray(newest.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        newest.write_bytes(bytes(data))
+        third = start(hydra_command(run_dir, ckpt), tmp_path / "third.log")
+        assert finish(third) == 0, third.tail()
+        log = third.log_path.read_text()
+        assert "resumed after round" in log and f"resumed after round {max(kept)}" not in log
+        assert (run_dir / "final_model.safetensors").read_bytes() == reference.result()
 
 
 def test_a_client_process_dying_inside_the_clientapp_counts_as_dropped_and_the_run_completes(tmp_path: Path) -> None:

@@ -20,21 +20,47 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = 6
 
 
-def hydra_command(run_dir: Path, ckpt_dir: Path, *overrides: str, rounds: int = ROUNDS) -> list[str]:
-    """The Hydra entry point on 5 clients (one Byzantine), checkpointing every round into ``ckpt_dir``."""
+def run_overrides(*overrides: str, rounds: int = ROUNDS) -> list[str]:
+    """The experiment every Hydra process test runs: 5 clients (one Byzantine), then ``overrides``."""
     return [
-        sys.executable,
-        "-m",
-        "experiments.run",
         "num_clients=5",
         "clients_per_round=5",
         f"num_rounds={rounds}",
         "num_byzantine=1",
         "aggregator=trimmed_mean",
-        f"checkpoint.dir={ckpt_dir}",
-        f"hydra.run.dir={run_dir}",
         *overrides,
     ]
+
+
+def hydra_command(run_dir: Path, ckpt_dir: Path, *overrides: str, rounds: int = ROUNDS) -> list[str]:
+    """The Hydra entry point on :func:`run_overrides`, checkpointing every round into ``ckpt_dir``."""
+    return [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        *run_overrides(*overrides, rounds=rounds),
+        f"checkpoint.dir={ckpt_dir}",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
+def uninterrupted_final_bytes(out_dir: Path, *overrides: str, rounds: int = ROUNDS) -> bytes:
+    """The final model of an uninterrupted run of the same experiment, without checkpoints.
+
+    Hydra composes the config as ``python -m experiments.run`` does; the run goes through the same
+    ServerApp loop and ClientApp in this process (``experiments.inprocess``), not on Ray: the bytes
+    are the same on both transports, so a resumed Hydra run that matches them matches an
+    uninterrupted Hydra run, and the test does not pay for one more Ray cluster.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from experiments.inprocess import run_inprocess
+    from experiments.run import to_run_config, with_parameter_tables
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=with_parameter_tables(run_overrides(*overrides, rounds=rounds)))
+    run_inprocess(to_run_config(cfg), out_dir)
+    return (out_dir / "final_model.safetensors").read_bytes()
 
 
 def start(command: list[str], log: Path) -> Proc:
