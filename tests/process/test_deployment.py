@@ -101,7 +101,7 @@ def _run_config(out_dir: Path, *, num_rounds: int, trust_dir: Path | None, round
     return (
         f"num_rounds={num_rounds} num_clients={NUM_NODES} clients_per_round={NUM_NODES} num_byzantine=1 "
         f"aggregator.name='median' {signing_config}"
-        f"fault.round_timeout={round_timeout} fault.wait_for_nodes=60 "
+        f"fault.round_timeout={round_timeout} fault.wait_for_nodes=120 "
         f"liveness.quarantine_after=0 liveness.dead_after=1 "
         f"output_dir='{out_dir}'"
     )

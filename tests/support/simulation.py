@@ -29,7 +29,6 @@ def small_config(tmp_path: Path, **overrides: Any) -> RunConfig:
         "num_byzantine": 1,
         "aggregator.name": "trimmed_mean",
         "fault.round_timeout": 60.0,
-        "fault.wait_for_nodes": 30.0,
         "output_dir": str(tmp_path / "out"),
     }
     flat.update(overrides)
