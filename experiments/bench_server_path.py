@@ -25,6 +25,10 @@ Entries:
   bookkeeping, the server optimizer's flat step into a buffer kept across rounds; and it empties
   each reply's ArrayRecord once its row is written (as Flower's FedMedian pops the arrays it reads),
   so the reply's bytes can be freed while the next replies are processed.
+* with ``--streamed``, the same strategy taking the replies as they arrive, as its round loop does
+  (entries ``streamed:<rule>``): every reply but the last is handed to the round's intake
+  (``open_round(...).take``) untimed, as happens while the slower clients still train; timed is
+  what is left once the last reply is in: taking it, then ``close`` (gaps, rule, step).
 
 With ``--rounds 2`` each process then builds a second set of replies and calls the same
 strategy object again: round 1 pays for first-touching new memory (on this VM a page fault per
@@ -287,7 +291,7 @@ def run_child(entry: str, n: int, d_model: str, rounds: int) -> list[dict[str, f
     instructions = _instructions(n)
     if entry.startswith("flower_"):
         fn = flower_strategy(entry, n, f)
-    elif entry.startswith("strategy:"):
+    elif entry.startswith(("strategy:", "streamed:")):
         strategy, instructions = robust_strategy(entry.split(":", 1)[1], n, f, state)
         aggregators.build(entry.split(":", 1)[1], f=1)(torch.randn(8, 16))  # numba kernels: not timed
         fn = strategy.aggregate_train
@@ -301,8 +305,18 @@ def run_child(entry: str, n: int, d_model: str, rounds: int) -> list[dict[str, f
         gc.collect()
         before = status_bytes("VmRSS")
         exact_peak = reset_peak_rss()
-        start = time.perf_counter()
-        arrays, metrics = fn(1, replies)
+        if entry.startswith("streamed:"):
+            intake = strategy.open_round(1, [m.metadata.dst_node_id for m in instructions])
+            intake.expect({m.metadata.message_id: m.metadata.dst_node_id for m in instructions})
+            for reply in replies[:-1]:  # while the last client still trains
+                intake.take(reply)
+            start = time.perf_counter()
+            intake.take(replies[-1])
+            outcome = intake.close()
+            arrays, metrics = outcome.arrays, outcome.metric_record()
+        else:
+            start = time.perf_counter()
+            arrays, metrics = fn(1, replies)
         seconds = time.perf_counter() - start
         if exact_peak:
             peak = status_bytes("VmHWM")
@@ -336,7 +350,7 @@ class Row:
 
 
 def _rule_of(entry: str) -> str:
-    return entry.split(":", 1)[1] if entry.startswith("strategy:") else entry
+    return entry.split(":", 1)[1] if entry.startswith(("strategy:", "streamed:")) else entry
 
 
 def print_table(rows: list[Row]) -> None:
@@ -367,6 +381,10 @@ def main(argv: list[str] | None = None) -> None:
         "--strategy", action="store_true", help="also time RobustStrategy.aggregate_train itself for each rule"
     )
     parser.add_argument(
+        "--streamed", action="store_true",
+        help="also time, for each rule, what is left of a streamed round once its last reply is in",
+    )
+    parser.add_argument(
         "--bare",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -394,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
     )
     entries = flower + (rules if args.bare else []) + ([f"strategy:{r}" for r in rules] if args.strategy else [])
+    entries += [f"streamed:{r}" for r in rules] if args.streamed else []
     results: dict[str, list[list[dict[str, float]]]] = {e: [] for e in entries}
     for _ in range(args.repeats):  # interleaved, so that load changes hit every entry alike
         for entry in entries:

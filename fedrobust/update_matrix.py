@@ -142,7 +142,7 @@ class UpdateMatrix:
         self._matrix.zero_()
 
     # ------------------------------------------------------------------ filling
-    def add(self, arrays: Mapping[str, ArrayLike], *, full_weights: bool) -> Rejection | None:
+    def add(self, arrays: Mapping[str, ArrayLike], *, full_weights: bool, row: int | None = None) -> Rejection | None:
         """Check one reply and write its update into the next free row, in one pass over its bytes.
 
         Parameters
@@ -153,30 +153,42 @@ class UpdateMatrix:
         full_weights : bool
             ``True`` when the client sent its local weights (Flower's convention): the row
             is ``arrays - global``. ``False`` when ``arrays`` already is the update.
+        row : int, optional
+            Write into this row instead (``0 <= row < capacity``): replies arriving in any
+            order each go to the row of their place in a fixed order, and :meth:`keep` then
+            makes the written rows the accepted ones. Not mixed with rows added without it
+            in one round.
 
         Returns
         -------
         Rejection or None
-            ``None`` when the update was accepted (``len(self)`` grew by one); otherwise
-            why not (``wrong_keys``, ``wrong_shape``, ``wrong_dtype``, ``non_finite``,
-            ``norm_too_large``), and the row is free again for the next call.
+            ``None`` when the update was accepted (``len(self)`` grew by one, or with ``row``
+            the row is written); otherwise why not (``wrong_keys``, ``wrong_shape``,
+            ``wrong_dtype``, ``non_finite``, ``norm_too_large``), and the row is free again.
 
         Raises
         ------
         ValueError
-            When the matrix already holds ``capacity`` rows.
+            When the matrix already holds ``capacity`` rows, or ``row`` is out of range or
+            rows were added without it this round.
         """
-        if self._len >= self.capacity:
-            raise ValueError(f"UpdateMatrix is full: capacity {self.capacity} rows already accepted")
+        if row is None:
+            if self._len >= self.capacity:
+                raise ValueError(f"UpdateMatrix is full: capacity {self.capacity} rows already accepted")
+            index = self._len
+        elif not 0 <= row < self.capacity or self._len:
+            raise ValueError(f"row {row}: outside 0..{self.capacity - 1}, or rows were already added in order")
+        else:
+            index = row
         rejection = check_structure(arrays, self._meta)
         if rejection is not None:
             return rejection
-        row = self._matrix_np[self._len]
+        out = self._matrix_np[index]
         squared = 0.0
         # Overflow to infinity is expected from hostile input and is what the check detects.
         with np.errstate(over="ignore", invalid="ignore"):
             for seg in self._segments:
-                part = self._write(row, seg, arrays[seg.key], full_weights)
+                part = self._write(out, seg, arrays[seg.key], full_weights)
                 if math.isnan(part):
                     return non_finite(seg.key)
                 squared += part
@@ -184,9 +196,25 @@ class UpdateMatrix:
         rejection = check_norm(norm, self.max_norm)
         if rejection is not None:
             return rejection
-        self._norms[self._len] = norm
-        self._len += 1
+        self._norms[index] = norm
+        if row is None:
+            self._len += 1
         return None
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Make ``rows``, written by :meth:`add` with ``row=``, the accepted rows, in increasing order.
+
+        Each moves up in place over the rows not kept (a reply missing or rejected); when
+        none is missing before it, a row stays where it was written and costs nothing.
+        """
+        ordered = sorted(set(rows))
+        if self._len or (ordered and not 0 <= ordered[0] <= ordered[-1] < self.capacity):
+            raise ValueError(f"rows {ordered}: outside 0..{self.capacity - 1}, or rows were already added in order")
+        for new, old in enumerate(ordered):
+            if new != old:
+                self._matrix[new].copy_(self._matrix[old])
+                self._norms[new] = self._norms[old]
+        self._len = len(ordered)
 
     def _write(self, row: np.ndarray, seg: _Segment, value: ArrayLike, full_weights: bool) -> float:
         """Write one tensor's update into ``row[seg]`` block by block; return its sum of squares."""

@@ -25,6 +25,8 @@ def push_and_collect(
     *,
     timeout: float,
     enough: Callable[[list[Message]], bool] | None = None,
+    on_pushed: Callable[[dict[str, int]], None] | None = None,
+    on_reply: Callable[[Message], None] | None = None,
 ) -> tuple[dict[str, int], list[Message]]:
     """Send ``messages`` and gather their replies.
 
@@ -38,6 +40,11 @@ def push_and_collect(
         Seconds after which missing replies are given up on.
     enough : callable, optional
         Called with the replies so far; returning True ends the wait early.
+    on_pushed : callable, optional
+        Called once the messages are pushed, with ``sent`` (below).
+    on_reply : callable, optional
+        Called with each reply as soon as it is pulled (the strategy checks it and writes its row
+        then, while the other nodes are still training).
 
     Returns
     -------
@@ -50,6 +57,8 @@ def push_and_collect(
     destinations = [m.metadata.dst_node_id for m in messages]
     ids = [str(i) for i in grid.push_messages(messages)]
     sent = {mid: node for mid, node in zip(ids, destinations, strict=True) if mid}
+    if on_pushed is not None:
+        on_pushed(sent)
     pending = set(sent)
     replies: list[Message] = []
     deadline = time.monotonic() + timeout
@@ -58,6 +67,8 @@ def push_and_collect(
         for reply in grid.pull_messages(list(pending)):
             pending.discard(reply.metadata.reply_to_message_id)
             replies.append(reply)
+            if on_reply is not None:
+                on_reply(reply)
         if enough is not None and enough(replies):
             ended_early = True  # enough replies, or a stop request: the rest did not miss a deadline
             break

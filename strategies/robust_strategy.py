@@ -113,6 +113,73 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+class RoundIntake:
+    """The replies of one round, each checked and written into its row of the update matrix as it arrives.
+
+    A node's row is its place in the strategy's fixed order (partition, then node id), whatever the
+    order the replies arrive in, so the aggregate does not depend on it; :meth:`close` moves the
+    rows up over those of missing or rejected replies (none move when none is missing) and
+    aggregates. Made by :meth:`RobustStrategy.open_round`.
+    """
+
+    def __init__(self, strategy: RobustStrategy, server_round: int, nodes: Sequence[int]) -> None:
+        self._strategy = strategy
+        self._rows = {node: row for row, node in enumerate(nodes)}
+        # Taken at the first reply: until then the rows reserved by configure_train are still being
+        # made resident in the background, while the clients train.
+        self._matrix: UpdateMatrix | None = None
+        self._sent: dict[str, int] = {}
+        self._seen: set[int] = set()
+        self._accepted: dict[int, ClientUpdate] = {}
+        self.outcome = RoundOutcome(round=server_round)
+
+    def expect(self, sent: Mapping[str, int]) -> None:
+        """The round's messages: id -> destination node. Error replies from a SuperLink carry the
+        SuperLink's node id, not the client's: with ``sent`` they are attributed to the right node."""
+        self._sent.update(sent)
+        self.outcome.sampled = len(self._sent)
+
+    def take(self, reply: Message) -> None:
+        """Check one reply and write it into its row now; its bytes are released once the row is written."""
+        s, outcome = self._strategy, self.outcome
+        node_id = self._sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+        if reply.has_error():
+            outcome.dropped.append(node_id)
+            outcome.client_errors[_first_line(reply.error.reason)] += 1
+            return
+        if node_id in self._seen:
+            s._reject(outcome.round, node_id, outcome, Rejection(DUPLICATE_REPLY, "second reply"))
+            return
+        self._seen.add(node_id)
+        row = self._rows.get(node_id)
+        if row is None:
+            raise ValueError(f"round {outcome.round}: a reply from node {node_id}, which open_round was not told of")
+        update_or_rejection = s._parse(outcome.round, node_id, reply, self._update_matrix(), row)
+        if isinstance(update_or_rejection, Rejection):
+            s._reject(outcome.round, node_id, outcome, update_or_rejection)
+        else:
+            self._accepted[row] = update_or_rejection
+
+    def _update_matrix(self) -> UpdateMatrix:
+        if self._matrix is None:
+            self._matrix = self._strategy._matrix_for(len(self._rows))
+        return self._matrix
+
+    def close(self) -> RoundOutcome:
+        """Aggregate the accepted replies, in the fixed order; the outcome of the round."""
+        rows = sorted(self._accepted)
+        self._update_matrix().keep(rows)
+        accepted = [self._accepted[row] for row in rows]
+        for index, update in enumerate(accepted):
+            update.row = index
+        # Reported in the fixed order too: the round's metrics do not depend on the arrival order.
+        place = lambda node: self._rows.get(node, len(self._rows))  # noqa: E731
+        self.outcome.rejected_nodes.sort(key=lambda entry: place(entry["node"]))
+        self.outcome.dropped.sort(key=place)
+        self.outcome.client_errors = Counter(dict(sorted(self.outcome.client_errors.items())))
+        return self._strategy._aggregate_accepted(self.outcome, accepted)
+
+
 class RobustStrategy(Strategy):
     """Byzantine-robust, fault-tolerant federated training on Flower's Message API.
 
@@ -529,14 +596,37 @@ class RobustStrategy(Strategy):
             SuperLink carry the SuperLink's node id, not the client's: with ``sent`` they are
             attributed to the right node. Without it, the source node id is used.
         """
+        replies = list(replies)
+        sent = dict(sent or {})
+        repliers = [
+            sent.get(r.metadata.reply_to_message_id, r.metadata.src_node_id) for r in replies if not r.has_error()
+        ]
+        intake = self.open_round(server_round, [*sent.values(), *repliers])
+        intake.expect(sent)
+        for reply in replies:
+            intake.take(reply)
+        return intake.close()
+
+    def open_round(self, server_round: int, nodes: Iterable[int]) -> RoundIntake:
+        """Take the replies of a round as they arrive, from ``nodes`` (the nodes sent a message).
+
+        Each reply is checked and written into its row when it comes in (:meth:`RoundIntake.take`),
+        so that the round's aggregation after the last reply has only the rule and the step left,
+        and each reply's bytes can be freed at once. :meth:`RoundIntake.close` aggregates.
+        """
         if self._global is None or self._global_round != server_round:
             raise RuntimeError(
                 f"aggregate_train(round {server_round}) needs configure_train for that round first: "
                 "the update of each reply is computed against the global model that was sent"
             )
-        sent = dict(sent or {})
-        outcome = RoundOutcome(round=server_round, sampled=len(sent))
-        accepted = self._accept(server_round, replies, sent, outcome)
+        return RoundIntake(self, server_round, self._order(set(nodes)))
+
+    def _aggregate_accepted(self, outcome: RoundOutcome, accepted: list[ClientUpdate]) -> RoundOutcome:
+        """Aggregate the rows of ``accepted`` (the matrix's rows, in order) and step the server optimizer."""
+        server_round, matrix = outcome.round, self._matrix
+        assert matrix is not None  # built by open_round
+        if self.update_hook is not None and accepted:
+            accepted = self._run_hook(server_round, accepted, matrix, outcome)
         outcome.accepted = [u.node_id for u in accepted]
         outcome.train_metrics = _mean_metrics(accepted)
         # Nodes proven faulty (a reply rejected this round, or quarantined for earlier ones) are
@@ -554,8 +644,7 @@ class RobustStrategy(Strategy):
             return outcome
         start = time.perf_counter()
         global_state = self._global
-        matrix = self._matrix
-        assert matrix is not None and len(matrix) == len(accepted)
+        assert global_state is not None and len(matrix) == len(accepted)
         weights = None
         if self.weight_by_num_examples and rule.supports_weights:
             weights = torch.tensor([float(u.num_examples) for u in accepted])
@@ -701,34 +790,6 @@ class RobustStrategy(Strategy):
         return loop.run(initial_arrays)
 
     # ------------------------------------------------------------------ validation
-    def _accept(
-        self, server_round: int, replies: Iterable[Message], sent: Mapping[str, int], outcome: RoundOutcome
-    ) -> list[ClientUpdate]:
-        """Check each reply and write the accepted ones into the rows of ``self._matrix``, in node order."""
-        by_node: dict[int, Message] = {}
-        for reply in replies:
-            node_id = sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
-            if reply.has_error():
-                outcome.dropped.append(node_id)
-                outcome.client_errors[_first_line(reply.error.reason)] += 1
-                continue
-            if node_id in by_node:
-                self._reject(server_round, node_id, outcome, Rejection(DUPLICATE_REPLY, "second reply"))
-                continue
-            by_node[node_id] = reply
-        matrix = self._matrix_for(len(by_node))
-        accepted = []
-        # A fixed order makes aggregation deterministic whatever the arrival order.
-        for node_id in self._order(by_node):
-            update_or_rejection = self._parse(server_round, node_id, by_node[node_id], matrix)
-            if isinstance(update_or_rejection, Rejection):
-                self._reject(server_round, node_id, outcome, update_or_rejection)
-            else:
-                accepted.append(update_or_rejection)
-        if self.update_hook is not None and accepted:
-            accepted = self._run_hook(server_round, accepted, matrix, outcome)
-        return accepted
-
     def _reserve_rows(self, count: int) -> None:
         """Have the update matrix for ``count`` replies resident before they arrive.
 
@@ -766,8 +827,10 @@ class RobustStrategy(Strategy):
         self._matrix = matrix
         return matrix
 
-    def _parse(self, server_round: int, node_id: int, reply: Message, matrix: UpdateMatrix) -> ClientUpdate | Rejection:
-        """Parse, verify the signature, check num-examples, then check and write the update into ``matrix``."""
+    def _parse(
+        self, server_round: int, node_id: int, reply: Message, matrix: UpdateMatrix, row: int
+    ) -> ClientUpdate | Rejection:
+        """Parse, verify the signature, check num-examples, then check and write the update into ``row``."""
         parsed = parse_reply(reply.content, arrayrecord_key=self.arrayrecord_key, weighted_by_key=self.weighted_by_key)
         if isinstance(parsed, Rejection):
             return parsed
@@ -786,7 +849,7 @@ class RobustStrategy(Strategy):
             # Structure, finiteness and norm in one pass that also writes the row (local - global for
             # Flower's convention): the reply's bytes are read once.
             rejection = check_num_examples(parsed.num_examples, self.max_num_examples) or matrix.add(
-                parsed.arrays, full_weights=parsed.full_weights
+                parsed.arrays, full_weights=parsed.full_weights, row=row
             )
         finally:
             # The row holds all that is needed now: let the reply's bytes go (the caller's list of
@@ -797,7 +860,7 @@ class RobustStrategy(Strategy):
         return ClientUpdate(
             node_id=node_id,
             partition_id=self.partitions.get(node_id, -1),
-            row=len(matrix) - 1,
+            row=row,
             num_examples=parsed.num_examples,
             metrics=parsed.metrics,
             sim_byzantine=parsed.sim_byzantine,

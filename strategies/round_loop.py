@@ -264,11 +264,18 @@ class RoundLoop:
             config = ConfigRecord(dict(self.train_config))
             messages = s.train_messages(server_round, arrays, config, self.grid, attempt=attempt)
             self._send_client_states(messages)
+            # Each reply is checked and written into its row as it arrives, while the others train.
+            intake = s.open_round(server_round, [m.metadata.dst_node_id for m in messages])
             sent, replies = push_and_collect(
-                self.grid, messages, timeout=self.deadline, enough=self._enough_replies(s.planned_replies)
+                self.grid,
+                messages,
+                timeout=self.deadline,
+                enough=self._enough_replies(s.planned_replies),
+                on_pushed=intake.expect,
+                on_reply=intake.take,
             )
             self._take_client_states(replies)
-            outcome = s.aggregate_round(server_round, replies, sent)
+            outcome = intake.close()
             outcome.sampled = len(messages)
             answered = {r.metadata.reply_to_message_id for r in replies}
             outcome.dropped.extend(node for mid, node in sent.items() if mid not in answered)  # missed the deadline

@@ -281,3 +281,64 @@ def test_flat_step_matches_the_dict_step_and_resumes_from_its_state(name: str) -
         torch.testing.assert_close(q, flatten([p], keys)[0], rtol=2e-6, atol=2e-7)
         if name == "fedavg":
             assert torch.equal(q, flatten([p], keys)[0])
+
+
+def test_replies_taken_as_they_arrive_give_the_bytes_of_any_other_arrival_order() -> None:
+    """RoundIntake writes each reply into its node's row on arrival; gaps close at the end, in order.
+
+    Node 103's reply is rejected (NaN), node 106 never answers, node 101 answers twice.
+    """
+    state = _global()
+    outcomes = []
+    for arrival in ([0, 1, 1, 2, 3, 4, 5, 7, 8], [8, 2, 3, 0, 7, 4, 1, 5, 1], [5, 3, 1, 7, 0, 1, 2, 8, 4]):
+        strategy = RobustStrategy(aggregator="mean", num_byzantine=F, min_train_nodes=N, progress=False)
+        instructions = _instructions(strategy, state, N, 1)
+        records = [ArrayRecord(s) for s in _locals(state, N, seed=4)]
+        nan = records[3]["fc.bias"].numpy().copy()
+        nan[0] = float("nan")
+        records[3]["fc.bias"] = Array(nan)
+        replies = [_reply(m, r, 20) for m, r in zip(instructions, records, strict=True)]
+        intake = strategy.open_round(1, [m.metadata.dst_node_id for m in instructions])
+        intake.expect({m.metadata.message_id: m.metadata.dst_node_id for m in instructions})
+        for i in arrival:
+            intake.take(replies[i])
+            assert len(replies[i].content["arrays"]) == 0  # its bytes are released on arrival
+        outcomes.append(intake.close())
+    first = outcomes[0]
+    assert first.accepted == [100, 101, 102, 104, 105, 107, 108] and first.aggregated
+    for outcome in outcomes:
+        assert outcome.accepted == first.accepted
+        # Reported in the fixed order, not in the order the rejections happened.
+        assert [(e["node"], e["reason"]) for e in outcome.rejected_nodes] == [
+            (101, "duplicate_reply"), (103, "non_finite")
+        ]
+        got, want = outcome.arrays.to_torch_state_dict(), first.arrays.to_torch_state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)  # the mean sums the rows in one order: same bits
+    # And the same as the round's valid replies handed over at once (Flower's aggregate_train).
+    strategy = RobustStrategy(aggregator="mean", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions = _instructions(strategy, state, N, 1)
+    records = [ArrayRecord(s) for s in _locals(state, N, seed=4)]
+    kept = [i for i in range(N) if i not in (3, 6)]
+    arrays, _ = strategy.aggregate_train(1, [_reply(instructions[i], records[i], 20) for i in reversed(kept)])
+    got, want = arrays.to_torch_state_dict(), first.arrays.to_torch_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_update_matrix_rows_written_out_of_order_are_kept_in_order() -> None:
+    from fedrobust.update_matrix import UpdateMatrix
+
+    state = _global()
+    matrix = UpdateMatrix(state, 5)
+    local = _locals(state, 5, seed=9)
+    for row in (4, 0, 2):
+        assert matrix.add(local[row], full_weights=True, row=row) is None
+    assert len(matrix) == 0  # nothing is accepted before keep()
+    matrix.keep([4, 0, 2])
+    keys = float_keys(state)
+    expected = flatten([{k: local[i][k] - state[k] for k in keys} for i in (0, 2, 4)], keys)
+    assert torch.equal(matrix.rows(), expected)
+    torch.testing.assert_close(matrix.norms(), expected.double().norm(dim=1))
+    with pytest.raises(ValueError, match="already added in order"):
+        matrix.add(local[1], full_weights=True, row=1)
+    with pytest.raises(ValueError, match="outside 0..4"):
+        UpdateMatrix(state, 5).add(local[1], full_weights=True, row=5)
