@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "RobustStrategy": "robust_strategy",
     "RoundOutcome": "robust_strategy",
+    "RoundIntake": "robust_strategy",
     "strategy_from_config": "from_config",
     "QuorumError": "errors",
     "ClientFailureError": "errors",
@@ -28,6 +29,7 @@ __all__ = [
     "Preempted",
     "QuorumError",
     "RobustStrategy",
+    "RoundIntake",
     "RoundOutcome",
     "strategy_from_config",
 ]
@@ -35,7 +37,7 @@ __all__ = [
 if TYPE_CHECKING:
     from fedrobust.strategies.errors import EXIT_PREEMPTED, ClientFailureError, NoNodesError, Preempted, QuorumError
     from fedrobust.strategies.from_config import strategy_from_config
-    from fedrobust.strategies.robust_strategy import RobustStrategy, RoundOutcome
+    from fedrobust.strategies.robust_strategy import RobustStrategy, RoundIntake, RoundOutcome
 
 
 def __getattr__(name: str) -> Any:
