@@ -33,6 +33,7 @@ if not (_here / "strategies").is_dir() and (_here.parent / "strategies" / "__ini
 _EXPORTS = {
     "RobustStrategy": "fedrobust.strategies.robust_strategy",
     "RoundOutcome": "fedrobust.strategies.robust_strategy",
+    "RoundIntake": "fedrobust.strategies.robust_strategy",
     "QuorumError": "fedrobust.strategies.errors",
     "ClientFailureError": "fedrobust.strategies.errors",
     "NoNodesError": "fedrobust.strategies.errors",
@@ -53,6 +54,7 @@ __all__ = [
     "Preempted",
     "QuorumError",
     "RobustStrategy",
+    "RoundIntake",
     "RoundOutcome",
     "RunConfig",
     "TrustStore",
@@ -76,7 +78,7 @@ if TYPE_CHECKING:
         QuorumError,
     )
     from fedrobust.strategies.from_config import strategy_from_config
-    from fedrobust.strategies.robust_strategy import RobustStrategy, RoundOutcome
+    from fedrobust.strategies.robust_strategy import RobustStrategy, RoundIntake, RoundOutcome
 
 
 def __getattr__(name: str) -> Any:
