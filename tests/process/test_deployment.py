@@ -14,23 +14,20 @@ The third way users run fedrobust (design.md), done as docs/deployment.md tells 
    each starts its ClientApp processes itself (default subprocess isolation).
    Node 3's node config also says ``attack='nan'`` (it holds a trusted key); node 4 signs with a key
    that is not in the trust store (a forger).
-5. Signing off, on the same SuperLink and SuperNodes: ``flwr run . <federation> --stream --run-config
-   "... signing.require=false signing.trust_dir=''"``, 2 rounds, with the shipped ClientApp
-   (``fedrobust.clients.client_app:app``, always honest: node 3's ``attack`` is ignored with a warning).
-6. Signing on, with the Byzantine drill app: ``flwr run examples/byzantine-drill <federation> --stream
+5. Signing on, with the Byzantine drill app: ``flwr run examples/byzantine-drill <federation> --stream
    --run-config "... signing.require=true signing.trust_dir=..."`` (ClientApp
    ``fedrobust.clients.byzantine_app:app``: node 3 plays the attack its node config names, the others
    stay honest), and partition 2's SuperNode is SIGKILLed, with everything it started, once the first
    metrics row is written.
 
-What must hold: both runs complete. Signing off: every node's reply is accepted in every round, node 3's
-included (the honest app ignored its attack, and said so in node 3's log). Signing on: every reply of
-the forger is rejected as ``unknown_key``, every reply of node 3 carries a valid signature and is
-rejected as ``non_finite`` (the drill app played the attack; validation caught it after the signature
-passed), nothing else is ever rejected, and the model still learns (central accuracy well above chance);
+What must hold: the run completes; every reply of the forger is rejected as ``unknown_key``, every
+reply of node 3 carries a valid signature and is rejected as ``non_finite`` (the drill app played the
+attack; validation caught it after the signature passed), nothing else is ever rejected, and the model
+still learns (central accuracy well above chance);
 the killed node counts as dropped in the round after the kill (it misses the deadline, or the SuperLink
 answers NODE_UNAVAILABLE) and, dead for the liveness tracker, is not sampled in round 3; every process
-the test started is gone at the end.
+the test started is gone at the end. (The shipped, honest ClientApp with signing off, and its ignoring of a
+node config's ``attack``, run in tests/process/test_deployment_crash.py.)
 
 ``attack.name`` is left at its default, ``none``: no seed-chosen partition is Byzantine, so with the
 drill app only node 3's own node config makes it Byzantine, and ``num_byzantine`` is only the ``f``
@@ -74,7 +71,6 @@ DRILL_APP = REPO / "examples" / "byzantine-drill"  # ClientApp fedrobust.clients
 FEDERATION = "fedrobust-edge"
 NUM_NODES = 5
 NUM_ROUNDS = 3  # the signed drill run
-UNSIGNED_ROUNDS = 1  # the run with signing off, before it: one round shows signing off completes
 BYZANTINE = 3  # attack=ATTACK in its node config, trusted key
 ATTACK = "nan"  # its update is signed, then refused by validation: a trace of the attack in every round
 FORGER = 4  # signs with a key the server does not trust
@@ -85,23 +81,16 @@ KILLED = 2  # honest; SIGKILLed after round 1 of the signed run
 # for the killed node, unless the SuperLink marks it offline first (60 s without heartbeats) and
 # answers NODE_UNAVAILABLE, which it does before this deadline.
 ROUND_TIMEOUT = 90.0
-# The run with signing off kills nothing, so a long deadline costs nothing (a round ends once every
-# reply is in) and keeps a ClientApp slowed by load from counting as dropped.
-UNSIGNED_ROUND_TIMEOUT = 180.0
 RUN_TIMEOUT = 420.0  # flwr run; the signed run took 155-170 s on the shared 2-core development machine
 CLI_TIMEOUT = 120.0
 
 
-def _run_config(out_dir: Path, *, num_rounds: int, trust_dir: Path | None, round_timeout: float = ROUND_TIMEOUT) -> str:
-    """The run config of one ``flwr run``: signing on against ``trust_dir``, or off when it is None."""
-    signing_config = (
-        f"signing.require=true signing.trust_dir='{trust_dir}' " if trust_dir is not None
-        else "signing.require=false signing.trust_dir='' "
-    )
+def _run_config(out_dir: Path, *, num_rounds: int, trust_dir: Path) -> str:
+    """The run config of the drill's ``flwr run``: signing required, against ``trust_dir``."""
     return (
         f"num_rounds={num_rounds} num_clients={NUM_NODES} clients_per_round={NUM_NODES} num_byzantine=1 "
-        f"aggregator.name='median' {signing_config}"
-        f"fault.round_timeout={round_timeout} fault.wait_for_nodes=120 "
+        f"aggregator.name='median' signing.require=true signing.trust_dir='{trust_dir}' "
+        f"fault.round_timeout={ROUND_TIMEOUT} fault.wait_for_nodes=120 "
         f"liveness.quarantine_after=0 liveness.dead_after=1 "
         f"output_dir='{out_dir}'"
     )
@@ -307,7 +296,7 @@ def _kill_device(proc: Proc) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_deployment_unsigned_then_signed_drill_with_forger_byzantine_and_killed_node(tmp_path: Path) -> None:
+def test_deployment_signed_drill_with_forger_byzantine_and_killed_node(tmp_path: Path) -> None:
     started = time.monotonic()
     # 1. Certificates and keys.
     certs = tmp_path / "certs"
@@ -328,9 +317,8 @@ def test_deployment_unsigned_then_signed_drill_with_forger_byzantine_and_killed_
         for i, k in enumerate(signing_keys) if i != FORGER
     )
     # Absolute: the ServerApp runs in the SuperLink's working directory.
-    out_unsigned, out = tmp_path / "out-unsigned", tmp_path / "out"
-    logs = tmp_path / "logs"
-    unsigned_log, run_log = logs / "flwr-run-unsigned.log", logs / "flwr-run.log"
+    out = tmp_path / "out"
+    run_log = tmp_path / "logs" / "flwr-run.log"
 
     with FlowerProcesses(tmp_path) as fp, _ProcessCensus(fp) as census:
         flwr_run: subprocess.Popen[str] | None = None
@@ -348,18 +336,7 @@ def test_deployment_unsigned_then_signed_drill_with_forger_byzantine_and_killed_
             census.sample()
             setup_seconds = time.monotonic() - started
 
-            # 5. Signing off, the shipped (honest) app: a short run on the same SuperLink and SuperNodes.
-            unsigned_started = time.monotonic()
-            unsigned_config = _run_config(
-                out_unsigned, num_rounds=UNSIGNED_ROUNDS, trust_dir=None, round_timeout=UNSIGNED_ROUND_TIMEOUT
-            )
-            flwr_run = _start_run(fp, REPO, unsigned_config, unsigned_log)
-            flwr_run.wait(timeout=RUN_TIMEOUT)
-            unsigned_output = _finish_run(fp, flwr_run, unsigned_log)
-            unsigned_seconds = time.monotonic() - unsigned_started
-            flwr_run = None
-
-            # 6. Signing on, the drill app; partition 2's device dies once round 1 is written.
+            # 5. Signing on, the drill app; partition 2's device dies once round 1 is written.
             run_started = time.monotonic()
             flwr_run = _start_run(fp, DRILL_APP, _run_config(out, num_rounds=NUM_ROUNDS, trust_dir=trust_dir), run_log)
             killed_after_rows = None
@@ -371,10 +348,8 @@ def test_deployment_unsigned_then_signed_drill_with_forger_byzantine_and_killed_
                 time.sleep(0.2)
             output = _finish_run(fp, flwr_run, run_log)
             run_seconds = time.monotonic() - run_started
-            byzantine_log = nodes[BYZANTINE].log_path.read_text(errors="replace")
         except BaseException:
-            for log in (unsigned_log, run_log):
-                print(f"{log.name}:\n{log.read_text(errors='replace') if log.exists() else '-'}")
+            print(f"{run_log.name}:\n{run_log.read_text(errors='replace') if run_log.exists() else '-'}")
             print(fp.tails(80))
             raise
         finally:
@@ -391,18 +366,6 @@ def test_deployment_unsigned_then_signed_drill_with_forger_byzantine_and_killed_
     while (left := census.left_running()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"processes still running after stop: {left}"
-
-    # Signing off, honest app: every node, the forger and node 3 included, is accepted in every round.
-    unsigned_rows = _rows(out_unsigned / "metrics.jsonl")
-    report = f"metrics rows:\n{json.dumps(unsigned_rows, indent=1)}\nflwr run output:\n{unsigned_output}"
-    assert [r["round"] for r in unsigned_rows] == list(range(1, UNSIGNED_ROUNDS + 1)), report
-    for row in unsigned_rows:
-        assert row["aggregated"] and row["attempts"] == 1, report
-        counts = (row["sampled"], row["accepted"], row["rejected"], row["dropped"])
-        assert counts == (NUM_NODES, NUM_NODES, {}, 0), report
-    assert (out_unsigned / "final_model.safetensors").stat().st_size > 0
-    # The shipped app said why node 3 stayed honest (its ClientApp processes log to the SuperNode's output).
-    assert f"attack '{ATTACK}' ignored: this is the honest ClientApp" in byzantine_log, byzantine_log[-5000:]
 
     rows = _rows(out / "metrics.jsonl")
     report = f"metrics rows:\n{json.dumps(rows, indent=1)}\nflwr run output:\n{output}"
@@ -440,8 +403,7 @@ def test_deployment_unsigned_then_signed_drill_with_forger_byzantine_and_killed_
     assert (out / "final_model.safetensors").stat().st_size > 0
     rounds = ", ".join(f"round {r['round']} {r['seconds_train']:.1f}s" for r in rows)
     print(
-        f"deployment test: setup {setup_seconds:.1f}s, unsigned flwr run {unsigned_seconds:.1f}s "
-        f"({UNSIGNED_ROUNDS} rounds), signed drill flwr run {run_seconds:.1f}s ({rounds}), "
+        f"deployment test: setup {setup_seconds:.1f}s, signed drill flwr run {run_seconds:.1f}s ({rounds}), "
         f"total {time.monotonic() - started:.1f}s; {len(census.seen)} processes spawned and stopped"
     )
 

@@ -2,7 +2,9 @@
 
 Real processes, set up as docs/deployment.md tells an operator to (sections 2-6): one
 ``flower-superlink`` with TLS, SuperNode authentication and a ``--database`` state file, five
-``flower-supernode`` processes on device-local data. Then, recovering as section 10 says:
+``flower-supernode`` processes on device-local data; node 3's node config also says ``attack='nan'``,
+which the shipped ClientApp (``fedrobust.clients.client_app:app``, always honest) ignores with a warning.
+Signing is off (the app's default). Then, recovering as section 10 says:
 
 0. Reference: the same run uninterrupted, NUM_ROUNDS rounds, replayed in the test's process on the same
    nodes (their node ids and device data files; ``experiments.inprocess``: the same ServerApp loop and
@@ -24,7 +26,8 @@ take run C's messages from the restarted SuperLink and exit 0 when stopped at th
 SuperLink), C exits 0; on the restarted SuperLink runs A and B are ``finished:failed`` and
 C ``finished:completed``; each resume starts right after the newest committed round; every ``round-*``
 checkpoint verifies on its own, after each kill and at the end, and at the end no temporary leftovers
-remain; the metrics hold each round once, as the reference's; and the final model has the bytes of the
+remain; the metrics hold each round once, as the reference's, with every reply accepted (node 3's
+too, and its log says its attack was ignored); and the final model has the bytes of the
 uninterrupted reference run. That last one holds because the same nodes answered every round: discovery
 orders nodes by partition, training is seeded by (seed, round, partition), replies are aggregated in
 partition order, and a checkpoint restores the model, server optimizer, liveness and RNG state.
@@ -54,8 +57,11 @@ import pytest
 from experiments.inprocess import run_inprocess
 from fedrobust import tls
 from fedrobust.checkpoint import CheckpointStore
+from fedrobust.clients.client_app import app as shipped_app
 from fedrobust.config import from_flat
 from tests.process.test_deployment import (
+    ATTACK,
+    BYZANTINE,
     NUM_NODES,
     REPO,
     _alive,
@@ -82,6 +88,11 @@ SETTINGS = {
     "num_rounds": NUM_ROUNDS, "num_clients": NUM_NODES, "clients_per_round": NUM_NODES, "num_byzantine": 0,
     "aggregator.name": "mean", "fault.round_timeout": ROUND_TIMEOUT, "fault.wait_for_nodes": 120,
 }
+
+
+# Node 3's node config asks for an attack; the shipped ClientApp is always honest: it ignores it, says
+# so in the SuperNode's log, and its replies are accepted like every other node's.
+NODE_CONFIGS: list[dict[str, str]] = [{"attack": ATTACK} if i == BYZANTINE else {} for i in range(NUM_NODES)]
 
 
 def _config(out: Path, ckpt: Path) -> str:
@@ -172,12 +183,16 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
             # Sections 2-6 of docs/deployment.md.
             link = fp.start_superlink(**link_options)
             auth_keys = tls.generate_supernode_keys(tmp_path / "certs", NUM_NODES)
-            node_ids, nodes = start_devices(fp, link, tls_files, auth_keys)
+            node_ids, nodes = start_devices(fp, link, tls_files, auth_keys, NODE_CONFIGS)
             seconds["setup"] = time.monotonic() - started
 
             # 0. The uninterrupted reference, on the same nodes, in this process while the runs go on.
-            devices = {node_id: device_node_config(fp.tmp_path, i) for i, node_id in enumerate(node_ids)}
-            reference = pool.submit(run_inprocess, from_flat(SETTINGS), ref_out, nodes=devices)
+            devices = {
+                node_id: device_node_config(fp.tmp_path, i) | NODE_CONFIGS[i] for i, node_id in enumerate(node_ids)
+            }
+            # The shipped ClientApp, as on the SuperNodes: it reads the run config from its context and
+            # stays honest whatever a node config asks for.
+            reference = pool.submit(run_inprocess, from_flat(SETTINGS), ref_out, client_app=shipped_app, nodes=devices)
 
             # 1. Run A: SIGKILL to the ServerApp once round 1 is committed.
             t0 = time.monotonic()
@@ -270,6 +285,11 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
     assert _verified_rounds(ckpt, tmp_path) == [1, 2]
     rows = _rows(out / "metrics.jsonl")
     assert [r["round"] for r in rows] == list(range(1, NUM_ROUNDS + 1)), rows
+    # The shipped app with signing off: every reply accepted, node 3's too; its node config's attack was
+    # ignored, and the app said so in node 3's log.
+    assert all((r["accepted"], r["rejected"], r["dropped"]) == (NUM_NODES, {}, 0) for r in rows), rows
+    byzantine_log = nodes[BYZANTINE].log_path.read_text(errors="replace")
+    assert f"attack '{ATTACK}' ignored: this is the honest ClientApp" in byzantine_log, byzantine_log[-5000:]
     assert [(r["accepted"], r["dropped"], r["accuracy"]) for r in rows] == [
         (r["accepted"], r["dropped"], r["accuracy"]) for r in ref_rows
     ], (rows, ref_rows)
