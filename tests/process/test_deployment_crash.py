@@ -10,7 +10,8 @@ Signing is off (the app's default). Then, recovering as section 10 says:
    nodes (their node ids and device data files; ``experiments.inprocess``: the same ServerApp loop and
    ClientApp as on the SuperLink and SuperNodes, which give the same bytes when torch uses as many
    threads: one, OMP_NUM_THREADS=1 for every process the test starts) while the runs below go on.
-1. Run A, ``flwr run . <federation>`` with ``checkpoint.dir`` set: once round 1's checkpoint is committed, the
+1. Run A, ``flwr run . <federation>`` with ``checkpoint.dir`` set: once round 1's checkpoint is committed and
+   round 2's train message has reached every SuperNode (the round is in flight on the devices), the
    ServerApp process (``flwr-serverapp``, started by the SuperLink's SuperExec) gets SIGKILL. The
    SuperLink marks the run ``finished:failed`` once its heartbeats stop (Flower: at most 60 s).
 2. Run B, the same ``flwr run`` again: it logs ``resumed after round 1``. Once every SuperNode has
@@ -35,9 +36,11 @@ partition order, and a checkpoint restores the model, server optimizer, liveness
 the order is the same too (and it skips the median's numba kernels, whose first call took ~25 s in every
 deployed ServerApp here).
 
-Wall time: 154 s on an idle 2-core machine (266 s when the reference was a fourth ``flwr run``). Every message starts a
-ClientApp process on its SuperNode (flwr and torch imported each time); the three runs train 1, 0 (killed in
-round 2) and 1 rounds, each after a discovery query to every node.
+Wall time: 153 s on an idle 2-core machine (180 s when run A's ServerApp was killed as soon as round 1 was
+committed: run B's discovery then waited ~55 s on SuperNodes stuck with a half-sent message; 266 s when the
+reference was a fourth ``flwr run``). Every message starts a ClientApp process on its SuperNode (flwr and
+torch imported each time); the three runs train 1, 1 (killed in round 2) and 1 rounds, plus a discovery query
+to every node each.
 """
 
 from __future__ import annotations
@@ -148,9 +151,15 @@ def _run_id(log: Path) -> int:
     return int(match.group(1))
 
 
-def _received_train(node: Proc, run_id: int) -> bool:
-    """The SuperNode has pulled a train message of ``run_id`` (its log: ``[RUN id]`` then ``Receiving: train``)."""
-    return re.search(rf"\[RUN {run_id}\][^\n]*\n[^\n]*Receiving: train message", node.log_path.read_text()) is not None
+def _received_train(node: Proc, run_id: int, count: int = 1) -> bool:
+    """The SuperNode has pulled ``count`` train messages of ``run_id``, the last one whole.
+
+    Its log: ``[RUN id]`` then ``Receiving: train message``, and ``Received successfully`` after the
+    ``count``-th (a SuperNode takes one message at a time).
+    """
+    text = node.log_path.read_text(errors="replace")
+    starts = [m.end() for m in re.finditer(rf"\[RUN {run_id}\][^\n]*\n[^\n]*Receiving: train message", text)]
+    return len(starts) >= count and "Received successfully" in text[starts[count - 1] :]
 
 
 @pytest.mark.slow
@@ -199,6 +208,12 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
             runs["a"] = _start_run(fp, REPO, _config(out, ckpt), run_logs["a"])
             # A round-* directory is renamed into place complete: its existence is the commit.
             _wait("round 1 committed", (ckpt / "round-000001").is_dir, runs["a"], run_logs["a"], fp)
+            # Round 2 in flight: its train message whole on every SuperNode. (Killed while it sends them,
+            # the ServerApp may leave a message whose content never arrives; a SuperNode, which takes one
+            # message at a time, then waits on it until the SuperLink fails the run, about a minute.)
+            run_a = _run_id(run_logs["a"])
+            _wait("round 2 of run A on every SuperNode", lambda: all(_received_train(n, run_a, 2) for n in nodes),
+                  runs["a"], run_logs["a"], fp)
             serverapp = _serverapp(link)
             os.kill(serverapp[0], signal.SIGKILL)
             deadline = time.monotonic() + 10.0
