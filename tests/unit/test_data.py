@@ -12,7 +12,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from fedrobust import data
+from fedrobust import array_cache, data
 
 NUM_DIGITS = 1797
 NUM_DIGITS_TRAIN = 1437  # 80 % of 1,797, stratified
@@ -110,7 +110,9 @@ def test_partitions_are_deterministic_for_a_seed(partitioner: str) -> None:
     assert first.tensors[0].shape != other.tensors[0].shape or not torch.equal(first.tensors[0], other.tensors[0])
 
 
-def test_partitioner_is_built_once_per_configuration() -> None:
+def test_partitioner_is_built_once_per_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-memory layer; the disk cache (tests/unit/test_array_cache.py) would answer before it.
+    monkeypatch.setenv(array_cache.CACHE_DIR_ENV, "off")
     data.load_partition("digits", 0, 7, seed=5)
     before = data._partition_loader.cache_info()
     for i in range(7):
