@@ -29,6 +29,11 @@ Entries:
   (entries ``streamed:<rule>``): every reply but the last is handed to the round's intake
   (``open_round(...).take``) untimed, as happens while the slower clients still train; timed is
   what is left once the last reply is in: taking it, then ``close`` (gaps, rule, step).
+* with ``--arriving``, the whole streamed round's memory (entries ``arriving:<rule>``): each reply is
+  built only when it "arrives" and handed to the intake at once, so at most one reply exists at a time,
+  as in the round loop when the clients finish one after another; the peak is taken above the resident
+  memory before the first reply (the strategy's matrix, kept across rounds, already resident), and the
+  time is that of the takes and ``close`` (building the replies is not timed).
 
 With ``--rounds 2`` each process then builds a second set of replies and calls the same
 strategy object again: round 1 pays for first-touching new memory (on this VM a page fault per
@@ -291,7 +296,7 @@ def run_child(entry: str, n: int, d_model: str, rounds: int) -> list[dict[str, f
     instructions = _instructions(n)
     if entry.startswith("flower_"):
         fn = flower_strategy(entry, n, f)
-    elif entry.startswith(("strategy:", "streamed:")):
+    elif entry.startswith(("strategy:", "streamed:", "arriving:")):
         strategy, instructions = robust_strategy(entry.split(":", 1)[1], n, f, state)
         aggregators.build(entry.split(":", 1)[1], f=1)(torch.randn(8, 16))  # numba kernels: not timed
         fn = strategy.aggregate_train
@@ -301,6 +306,9 @@ def run_child(entry: str, n: int, d_model: str, rounds: int) -> list[dict[str, f
         fn = fedrobust_path(entry, f, state)
     results = []
     for server_round in range(1, rounds + 1):
+        if entry.startswith("arriving:"):
+            results.append(_arriving_round(strategy, state, instructions, seed=server_round))
+            continue
         replies, replies_bytes = build_replies(state, instructions, seed=server_round)
         gc.collect()
         before = status_bytes("VmRSS")
@@ -329,6 +337,34 @@ def run_child(entry: str, n: int, d_model: str, rounds: int) -> list[dict[str, f
     return results
 
 
+def _arriving_round(
+    strategy: RobustStrategy, state: dict[str, torch.Tensor], instructions: list[Message], seed: int
+) -> dict[str, float]:
+    """One streamed round in which each reply exists only from its arrival until the intake has taken it."""
+    if strategy._touching is not None:  # the matrix, reserved by configure_train, is resident before the round
+        strategy._touching.join()
+    gc.collect()
+    before = status_bytes("VmRSS")
+    exact_peak = reset_peak_rss()
+    intake = strategy.open_round(1, [m.metadata.dst_node_id for m in instructions])
+    intake.expect({m.metadata.message_id: m.metadata.dst_node_id for m in instructions})
+    seconds, replies_bytes = 0.0, 0
+    for i, instruction in enumerate(instructions):
+        [reply], size = build_replies(state, [instruction], seed=seed * 10_000 + i)
+        replies_bytes += size
+        start = time.perf_counter()
+        intake.take(reply)
+        seconds += time.perf_counter() - start
+        del reply  # the round loop keeps no reference either
+    start = time.perf_counter()
+    outcome = intake.close()
+    seconds += time.perf_counter() - start
+    peak = status_bytes("VmHWM") if exact_peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if outcome.arrays is None:
+        raise RuntimeError(f"arriving round did not aggregate: {outcome.metric_record()}")
+    return {"seconds": seconds, "peak_extra_bytes": peak - before, "replies_bytes": replies_bytes}
+
+
 def measure(entry: str, n: int, d_model: str, threads: int, rounds: int) -> list[dict[str, float]]:
     """One fresh interpreter for one call per round."""
     env = {**os.environ, "BENCH_THREADS": str(threads)}
@@ -350,7 +386,7 @@ class Row:
 
 
 def _rule_of(entry: str) -> str:
-    return entry.split(":", 1)[1] if entry.startswith(("strategy:", "streamed:")) else entry
+    return entry.split(":", 1)[1] if entry.startswith(("strategy:", "streamed:", "arriving:")) else entry
 
 
 def print_table(rows: list[Row]) -> None:
@@ -385,6 +421,10 @@ def main(argv: list[str] | None = None) -> None:
         help="also time, for each rule, what is left of a streamed round once its last reply is in",
     )
     parser.add_argument(
+        "--arriving", action="store_true",
+        help="also measure, for each rule, a streamed round whose replies exist one at a time (memory)",
+    )
+    parser.add_argument(
         "--bare",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -413,6 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     entries = flower + (rules if args.bare else []) + ([f"strategy:{r}" for r in rules] if args.strategy else [])
     entries += [f"streamed:{r}" for r in rules] if args.streamed else []
+    entries += [f"arriving:{r}" for r in rules] if args.arriving else []
     results: dict[str, list[list[dict[str, float]]]] = {e: [] for e in entries}
     for _ in range(args.repeats):  # interleaved, so that load changes hit every entry alike
         for entry in entries:
