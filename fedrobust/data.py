@@ -504,9 +504,11 @@ def _federated_dataset(
 def _test_tensors(name: str, seed: int, data_dir: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     if name == "digits":
         key = _digits_key("test", seed)
-        if (hit := array_cache.load(key)) is None:
+        hit = array_cache.load(key)
+        if hit is None:
             _, (x, y) = _digits_splits(seed)
-            array_cache.store(key, hit := {"x": x, "y": y})
+            hit = {"x": x, "y": y}
+            array_cache.store(key, hit)
         return torch.from_numpy(hit["x"].copy()), torch.from_numpy(hit["y"].copy())
     # Only the test split is read; FederatedDataset requires a partitioner, and one partition of it is unused.
     fds = _federated_dataset(name, {"train": 1}, shuffle=False, seed=seed, data_dir=data_dir)
