@@ -149,7 +149,7 @@ def overrides_for(
     pre, name = split_rule(spec.rule)
     overrides = [
         f"aggregator={name}",
-        f"aggregator.pre={pre or repr('')}",
+        f"aggregator.pre={pre!r}",  # quoted: Hydra reads a bare 'arc,nnm' as a sweep
         f"attack={attack_choice(spec.attack)}",
         f"partition={spec.partition}",
     ]

@@ -18,7 +18,7 @@ from flwr.common.constant import ErrorCode
 
 from experiments.inprocess import InProcessGrid, _server_identity, node_ids_for, run_inprocess
 from experiments.report import write_report
-from experiments.study import OK, run_study
+from experiments.study import OK, RunSpec, compose, overrides_for, run_study
 from fedrobust.config import from_flat
 
 pytestmark = pytest.mark.slow
@@ -134,3 +134,18 @@ def test_small_sweep_report_and_the_effect_of_sign_flip(tmp_path: Path) -> None:
     # Two of ten clients sending the reversed update drag the mean back; the median ignores them.
     assert final[("mean", "sign_flip")] < final[("median", "sign_flip")]
     assert final[("mean", "sign_flip")] < final[("mean", "none")]
+
+
+def test_rules_with_pre_aggregators_compose_into_their_pipeline() -> None:
+    """``<pre>+<pre>+<rule>`` puts the pre-aggregators in front, in order; one pre or none too."""
+    specs = {
+        rule: RunSpec(partition="dirichlet", rule=rule, attack="backdoor", seed=0)
+        for rule in ("trimmed_mean", "nnm+trimmed_mean", "arc+nnm+trimmed_mean")
+    }
+    configs = compose({rule: overrides_for(spec, rounds=2) for rule, spec in specs.items()})
+    pres = {rule: (cfg.pre_aggregators(), cfg.aggregator.name) for rule, cfg in configs.items()}
+    assert pres == {
+        "trimmed_mean": ([], "trimmed_mean"),
+        "nnm+trimmed_mean": (["nnm"], "trimmed_mean"),
+        "arc+nnm+trimmed_mean": (["arc", "nnm"], "trimmed_mean"),
+    }
