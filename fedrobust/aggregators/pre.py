@@ -1,7 +1,9 @@
-"""Pre-aggregators: NNM, bucketing, static clipping and adaptive robust clipping (ARC).
+"""Pre-aggregators: NNM, bucketing, static clipping, adaptive robust clipping (ARC) and winsorizing.
 
-Each one returns new rows as a linear map of its input rows (see :mod:`fedrobust.aggregators.rows`),
-so a chain of them costs no pass over the ``[n, d]`` data beyond the Gram matrix it needs.
+All but winsorizing return new rows as a linear map of their input rows (see
+:mod:`fedrobust.aggregators.rows`), so a chain of them costs no pass over the ``[n, d]`` data beyond the
+Gram matrix it needs. Winsorizing clamps values, which no linear map does: it writes its rows out, one
+``[n, d]`` copy.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from fedrobust.aggregators._order import window_mean
 from fedrobust.aggregators._registry import register_pre
 from fedrobust.aggregators.base import PreAggregator, check_float, check_int
-from fedrobust.aggregators.rows import Rows
+from fedrobust.aggregators.rows import Basis, Rows
 
-__all__ = ["AdaptiveRobustClipping", "Bucketing", "Clipping", "NearestNeighborMixing"]
+__all__ = ["AdaptiveRobustClipping", "Bucketing", "Clipping", "CoordinateWinsorizing", "NearestNeighborMixing"]
 
 
 def _scale_rows(rows: Rows, scale: Tensor) -> Rows:
@@ -142,3 +145,36 @@ class AdaptiveRobustClipping(PreAggregator):
         norms = rows.sq_norms().sqrt()
         threshold = torch.sort(norms, descending=True).values[k]
         return _scale_rows(rows, (threshold / norms).clamp(max=1.0))
+
+
+@register_pre
+class CoordinateWinsorizing(PreAggregator):
+    """Per coordinate, values beyond the ``f+1``-th smallest or largest are clamped to them.
+
+    The values a coordinate-wise trimmed mean would drop are pulled in to the edge of what it keeps,
+    in every row, before a rule that mixes rows (NNM, Krum) can spread them: a few replies that alone
+    move some coordinates far (a backdoor's trigger weights, which honest clients leave near zero) no
+    longer pass them on. Rows keep their place and their other coordinates. Needs ``n >= 2f + 1``;
+    with ``f = 0`` the rows pass unchanged.
+    """
+
+    name = "winsorize"
+    affine = False
+
+    def requirement(self) -> tuple[int, str]:
+        return 2 * self.f + 1, "n >= 2f+1"
+
+    def apply(self, rows: Rows) -> Rows:
+        if self.f == 0:
+            return rows
+        m = rows.m
+        low = window_mean(rows, self.f, self.f + 1)
+        high = window_mean(rows, m - self.f - 1, m - self.f)
+        out = torch.empty((m, rows.d), dtype=rows.dtype, device=rows.device)
+        for start, stop, chunk in rows.chunks():
+            torch.clamp(chunk, low[start:stop], high[start:stop], out=out[:, start:stop])
+        base = rows.basis
+        clamped = Basis(out, extras=base.extras, augmented=base.augmented, chunk_size=base.chunk_size,
+                        owner=base.owner, f=base.f)
+        clamped.validated = True  # the order statistics above passed over every value
+        return Rows(clamped)

@@ -38,12 +38,13 @@ PRE_PARAMS: dict[str, dict] = {
     "bucketing": {"s": 2, "seed": 3},
     "clipping": {"threshold": 3.0},
     "arc": {},
+    "winsorize": {},
 }
 # Rules after a pre-aggregator: one distance-based and one coordinate-wise rule.
 PIPELINES = [(rule, ()) for rule in RULE_PARAMS] + [(rule, (pre,)) for pre in PRE_PARAMS for rule in ("krum", "median")]
 # Properties that hold for some pipelines only.
 TRANSLATION_EQUIVARIANT = {"mean", "median", "trimmed_mean", "krum", "multikrum", "geometric_median", "bulyan", "dnc"}
-AFFINE_PRES = {"nnm", "bucketing"}  # keep translation equivariance; clipping and ARC do not
+AFFINE_PRES = {"nnm", "bucketing", "winsorize"}  # keep translation equivariance; clipping and ARC do not
 PERMUTATION_DEPENDENT_PRES = {"bucketing"}  # which rows share a bucket depends on the row order
 # Rules whose state (a center, a generator) survives a call; the others must report an empty state.
 STATEFUL = {"centered_clipping", "dnc"}

@@ -257,3 +257,27 @@ def test_radius_quantile_one_clips_nothing() -> None:
     # A lower quantile clips: the center moves less than the mean does.
     low = aggregators.build("centered_clipping", f=1, tau="auto", radius_quantile=0.3)(x)
     assert float(low.norm()) < float(x.mean(0).norm())
+
+
+def test_winsorize_clamps_each_coordinate_to_what_a_trimmed_mean_keeps() -> None:
+    """Every value beyond the f+1-th smallest or largest of its coordinate is pulled in to it. So NNM can no longer
+    spread a few rows' outlying coordinates into the rows that trimming keeps: a backdoor's, whose trigger pixels
+    are blank in honest data (honest clients leave those weights exactly unchanged) while its rows stay close to
+    the honest ones overall."""
+    g = torch.Generator().manual_seed(5)
+    x = 0.01 * torch.randn(N, D, generator=g, dtype=torch.float64)
+    trigger = [3, 77, 150]
+    x[:, trigger] = 0.0
+    x[-F:, trigger] = 0.05  # f rows, near the honest ones (NNM's neighbours), move the trigger weights
+    low, high = x.sort(dim=0).values[F], x.sort(dim=0).values[N - F - 1]
+    clamped = torch.minimum(torch.maximum(x, low), high)
+    mean_after = aggregators.build("mean", f=F, pre=("winsorize",))
+    torch.testing.assert_close(mean_after(x), clamped.mean(dim=0))
+    assert torch.equal(clamped[:, trigger], torch.zeros(N, 3, dtype=torch.float64))
+    # The trimmed mean alone drops them; NNM in front spreads them into every row it keeps, winsorizing stops that.
+    assert torch.equal(aggregators.build("trimmed_mean", f=F)(x)[trigger], torch.zeros(3, dtype=torch.float64))
+    assert aggregators.build("trimmed_mean", f=F, pre=("nnm",))(x)[trigger].min() > 0.003
+    held = aggregators.build("trimmed_mean", f=F, pre=("winsorize", "nnm"))(x)[trigger]
+    assert torch.equal(held, torch.zeros(3, dtype=torch.float64))
+    # f = 0: nothing to clamp, the rows pass unchanged.
+    torch.testing.assert_close(aggregators.build("mean", f=0, pre=("winsorize",))(x), x.mean(dim=0))
