@@ -199,7 +199,7 @@ class RobustStrategy(Strategy):
     num_byzantine : int
         f, the number of faulty or malicious replies per round the rule tolerates.
     pre : sequence of str or mapping
-        Pre-aggregators in front of the rule (``nnm``, ``bucketing``, ``clipping``, ``arc``).
+        Pre-aggregators in front of the rule (``nnm``, ``bucketing``, ``clipping``, ``arc``, ``winsorize``).
     aggregator_params : mapping, optional
         Keyword parameters of the rule.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes
