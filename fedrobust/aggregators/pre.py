@@ -152,9 +152,9 @@ class CoordinateWinsorizing(PreAggregator):
     """Per coordinate, values beyond the ``f+1``-th smallest or largest are clamped to them.
 
     The values a coordinate-wise trimmed mean would drop are pulled in to the edge of what it keeps,
-    in every row, before a rule that mixes rows (NNM, Krum) can spread them: a few replies that alone
-    move some coordinates far (a backdoor's trigger weights, which honest clients leave near zero) no
-    longer pass them on. Rows keep their place and their other coordinates. Needs ``n >= 2f + 1``;
+    in every row, before a stage that mixes rows (NNM, bucketing) can spread them: a few replies that
+    alone move some coordinates far (a backdoor's trigger weights, which honest clients leave near
+    zero) no longer pass them on. Rows keep their place and their other coordinates. Needs ``n >= 2f + 1``;
     with ``f = 0`` the rows pass unchanged.
     """
 
