@@ -20,8 +20,8 @@ Settings shared by every run, and why:
   rejected replies, which (a) changes the attack while the run goes on and (b)
   shrinks the round below what Bulyan needs (n >= 4f+3 = 19 with f=4); the study
   measures the aggregation rules, so it keeps the population fixed.
-* Rule names are the registered aggregators; ``nnm+<rule>`` puts nearest-neighbour
-  mixing in front of ``<rule>`` (``aggregator.pre=nnm``). Not in the default sweep
+* Rule names are the registered aggregators, or pipelines as ``aggregator.name`` takes
+  them: ``nnm+<rule>`` puts nearest-neighbour mixing in front of ``<rule>``. Not in the default sweep
   but available as options: ``--rules fltrust`` (the server trains on a root data set
   of ``aggregator.root_size`` training examples each round) and ``--attacks backdoor``
   (trigger-patch poisoning; each round's row then has ``backdoor_asr``, the attack
@@ -104,12 +104,6 @@ class RunSpec:
         return f"{self.partition}__{self.rule}__{self.attack}__s{self.seed}"
 
 
-def split_rule(rule: str) -> tuple[str, str]:
-    """``"nnm+krum"`` -> ``("nnm", "krum")``; ``"krum"`` -> ``("", "krum")``."""
-    *pre, name = rule.split("+")
-    return ",".join(pre), name
-
-
 @functools.cache
 def _attack_files() -> dict[str, str]:
     """Attack name -> its file in ``conf/attack``.
@@ -146,10 +140,9 @@ def overrides_for(
 
     ``extra`` overrides (e.g. ``attack.params.scale=4``) come last and so win.
     """
-    pre, name = split_rule(spec.rule)
     overrides = [
-        f"aggregator={name}",
-        f"aggregator.pre={pre!r}",  # quoted: Hydra reads a bare 'arc,nnm' as a sweep
+        f"aggregator={spec.rule.split('+')[-1]}",  # the rule's group file: its parameters
+        f"aggregator.name={spec.rule!r}",  # the whole pipeline, which attacks tuned to the rule then see
         f"attack={attack_choice(spec.attack)}",
         f"partition={spec.partition}",
     ]

@@ -26,14 +26,17 @@ CHECKPOINT_INTERVAL_AUTO = "auto"
 class AggregatorConfig:
     """Robust rule and the pre-aggregators run in front of it.
 
-    ``name`` picks a built-in rule; ``_target_`` (a dotted path, e.g. ``my_pkg.rules.MyRule``) a
-    user rule instead, called with ``f`` and ``params`` (see :mod:`fedrobust.components`).
+    ``name`` picks a built-in rule, or a whole pipeline: pre-aggregators, then the rule, joined with
+    ``+`` (the default, ``winsorize+nnm+trimmed_mean``, chosen by its worst case over the attack set:
+    docs/results.md). ``_target_`` (a dotted path, e.g. ``my_pkg.rules.MyRule``) picks a user rule
+    instead, called with ``f`` and ``params`` (see :mod:`fedrobust.components`); ``name`` is then unused.
     """
 
-    name: str = "trimmed_mean"
+    name: str = "winsorize+nnm+trimmed_mean"
     _target_: str = ""
-    # Comma-separated pre-aggregator names, applied in order (e.g. "nnm" or "clipping,nnm").
-    # A string rather than a list so that Flower's flat run config can carry it.
+    # Comma-separated pre-aggregator names in front of a bare rule name or a _target_ rule (e.g.
+    # "clipping,nnm"); a pipeline in `name` lists its own. A string rather than a list so that Flower's
+    # flat run config can carry it.
     pre: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     pre_params: dict[str, Any] = field(default_factory=dict)
@@ -219,7 +222,23 @@ class RunConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     def pre_aggregators(self) -> list[str]:
+        """The pre-aggregators in order: ``aggregator.pre``'s, then those ``aggregator.name`` joins in front."""
+        return self.listed_pre_aggregators() + self.named_stages()[:-1]
+
+    def listed_pre_aggregators(self) -> list[str]:
+        """The pre-aggregators ``aggregator.pre`` lists."""
         return [p.strip() for p in self.aggregator.pre.split(",") if p.strip()]
+
+    def named_stages(self) -> list[str]:
+        """The stages ``aggregator.name`` joins with ``+`` (as ``fedrobust.aggregators.split_pipeline``),
+        the rule last; just ``aggregator._target_`` when that picks a user rule instead."""
+        if self.aggregator._target_:
+            return [self.aggregator._target_]
+        return [stage.strip() for stage in self.aggregator.name.split("+")]
+
+    def rule(self) -> str:
+        """The rule the pre-aggregators feed: ``aggregator._target_``, or the last stage of ``aggregator.name``."""
+        return self.named_stages()[-1]
 
 
 def _flatten(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -69,10 +69,38 @@ def _choice(problems: list[str], key: str, value: str, valid: Sequence[str]) -> 
     return False
 
 
+def _check_pipeline(cfg: RunConfig, problems: list[str]) -> tuple[bool, bool]:
+    """Whether the rule's name and the pre-aggregators' names are valid, each reported when not."""
+    named_pre = cfg.named_stages()[:-1]
+    unknown = [f"pre-aggregator {pre!r}" for pre in named_pre if pre not in aggregators.pre_names()]
+    if not cfg.aggregator._target_ and cfg.rule() not in aggregators.names():
+        unknown.append(f"rule {cfg.rule()!r}")
+    rule_ok = not unknown
+    if unknown:
+        _problem(
+            problems, "aggregator.name", cfg.aggregator.name,
+            f"unknown {' and '.join(unknown)}; valid choices: a rule ({', '.join(sorted(aggregators.names()))}), "
+            f"or pre-aggregators ({', '.join(sorted(aggregators.pre_names()))}) and then a rule, joined with "
+            "'+' (e.g. 'winsorize+nnm+trimmed_mean')",
+        )
+    listed = cfg.listed_pre_aggregators()
+    valid = [_choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in listed]  # each reported
+    pre_ok = all(valid)
+    if listed and named_pre:
+        _problem(
+            problems, "aggregator.pre", cfg.aggregator.pre,
+            f"aggregator.name={cfg.aggregator.name!r} already names its pre-aggregators; name the whole "
+            f"pipeline in aggregator.name (e.g. {'+'.join([*listed, cfg.aggregator.name])!r}), or set "
+            "aggregator.name to a bare rule",
+        )
+        pre_ok = False
+    return rule_ok, pre_ok
+
+
 def build_aggregator(cfg: RunConfig) -> aggregators.Aggregator:
     """The configured pre-aggregators and rule (built-in name or ``_target_``), with f = num_byzantine."""
     return aggregators.build(
-        cfg.aggregator._target_ or cfg.aggregator.name,
+        cfg.rule(),
         f=cfg.num_byzantine,
         pre=[{"name": p, **cfg.aggregator.pre_params.get(p, {})} for p in cfg.pre_aggregators()],
         **cfg.aggregator.params,
@@ -99,15 +127,13 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     """Names of the rule, data, model, optimizer and attack, and the parameters they take."""
     target = cfg.aggregator._target_
     rule_key, rule_label = ("aggregator._target_", target) if target else ("aggregator.name", cfg.aggregator.name)
-    rule_ok = bool(target) or _choice(problems, "aggregator.name", cfg.aggregator.name, aggregators.names())
-    pre_ok = all(
-        _choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in cfg.pre_aggregators()
-    )
+    rule_ok, pre_ok = _check_pipeline(cfg, problems)
     _at_least(problems, "aggregator.root_size", cfg.aggregator.root_size, 1)
     stray = sorted(set(cfg.aggregator.pre_params) - set(cfg.pre_aggregators()))
     if stray:
         _problem(problems, "aggregator.pre_params", cfg.aggregator.pre_params,
-                 f"has parameters for {stray}, which aggregator.pre={cfg.aggregator.pre!r} does not run")
+                 f"has parameters for {stray}, which the pipeline {cfg.pre_aggregators() + [cfg.rule()]} "
+                 "does not run")
         pre_ok = False
     spec = _check_dataset(cfg, problems)
     _choice(problems, "partition.name", cfg.partition.name, data.PARTITIONERS)
@@ -126,7 +152,7 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     if not rule_ok or cfg.num_byzantine < 0:
         return
     try:
-        rule = aggregators.build(target or cfg.aggregator.name, f=cfg.num_byzantine, **cfg.aggregator.params)
+        rule = aggregators.build(cfg.rule(), f=cfg.num_byzantine, **cfg.aggregator.params)
     except (TypeError, ValueError) as err:
         if target:  # import, signature or contract: the message says which
             _problem(problems, rule_key, target, " ".join(str(err).split()))

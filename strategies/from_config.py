@@ -50,7 +50,7 @@ def strategy_from_config(
     return RobustStrategy(
         # A built-in rule's name or a user rule's dotted path: RobustStrategy rebuilds it by name for
         # the f left after faulty nodes are excluded.
-        aggregator=cfg.aggregator._target_ or cfg.aggregator.name,
+        aggregator=cfg.rule(),
         num_byzantine=cfg.num_byzantine,
         pre=[{"name": p, **cfg.aggregator.pre_params.get(p, {})} for p in cfg.pre_aggregators()],
         aggregator_params=cfg.aggregator.params,

@@ -188,7 +188,9 @@ class RobustStrategy(Strategy):
     aggregator : str, callable or Aggregator
         The robust rule. A name from ``fedrobust.aggregators.names()`` (``trimmed_mean``, ``median``,
         ``krum``, ``multikrum``, ``geometric_median``, ``centered_clipping``, ``bulyan``, ``mean``,
-        ...); a user rule's dotted path (``"my_pkg.rules.MyRule"`` or ``"my_pkg.rules:MyRule"``, as a
+        ...), or a pipeline: pre-aggregators, then the rule, joined with ``+``. The default,
+        ``winsorize+nnm+trimmed_mean``, has the best worst case over the attack set of the project's
+        study (docs/results.md); a user rule's dotted path (``"my_pkg.rules.MyRule"`` or ``"my_pkg.rules:MyRule"``, as a
         config's ``aggregator._target_``), or that class or factory itself: called with ``f`` (when
         its signature names it) and ``aggregator_params``, it returns a callable from the ``[n, d]``
         update matrix to the ``[d]`` aggregate (the rule protocol of :mod:`fedrobust.components`) and
@@ -199,7 +201,8 @@ class RobustStrategy(Strategy):
     num_byzantine : int
         f, the number of faulty or malicious replies per round the rule tolerates.
     pre : sequence of str or mapping
-        Pre-aggregators in front of the rule (``nnm``, ``bucketing``, ``clipping``, ``arc``, ``winsorize``).
+        Pre-aggregators in front of a rule given by bare name or as a user rule (``nnm``, ``bucketing``,
+        ``clipping``, ``arc``, ``winsorize``), each a name or ``{"name": ..., **params}``.
     aggregator_params : mapping, optional
         Keyword parameters of the rule.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes
@@ -290,7 +293,7 @@ class RobustStrategy(Strategy):
 
     def __init__(
         self,
-        aggregator: str | Callable[..., Any] | aggregators.Aggregator = "trimmed_mean",
+        aggregator: str | Callable[..., Any] | aggregators.Aggregator = "winsorize+nnm+trimmed_mean",
         num_byzantine: int = 0,
         *,
         pre: Sequence[str | Mapping[str, Any]] | str = (),

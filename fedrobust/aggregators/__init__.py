@@ -23,7 +23,7 @@ from fedrobust.aggregators import clustering  # noqa: F401  isort: skip
 from fedrobust.aggregators import foolsgold  # noqa: F401  isort: skip
 from fedrobust.aggregators import fltrust  # noqa: F401  isort: skip
 from fedrobust.aggregators import pre  # noqa: F401  isort: skip
-from fedrobust.aggregators._registry import build, names, pre_names
+from fedrobust.aggregators._registry import PIPELINE_SEPARATOR, build, names, pre_names, split_pipeline
 from fedrobust.aggregators.pipeline import Aggregator
 
-__all__ = ["Aggregator", "build", "names", "pre_names"]
+__all__ = ["PIPELINE_SEPARATOR", "Aggregator", "build", "names", "pre_names", "split_pipeline"]

@@ -9,7 +9,11 @@ from typing import Any, TypeVar
 from fedrobust.aggregators.base import Component, PreAggregator, Rule
 from fedrobust.aggregators.pipeline import Aggregator
 
-__all__ = ["build", "build_pre", "names", "pre_names", "register_pre", "register_rule"]
+__all__ = ["build", "build_pre", "names", "pre_names", "register_pre", "register_rule", "split_pipeline"]
+
+# Joins a pipeline's stages in one name, as the study and results name them: "winsorize+nnm+trimmed_mean"
+# is winsorize, then nnm, then the rule trimmed_mean. One name lets a single config field pick a pipeline.
+PIPELINE_SEPARATOR = "+"
 
 _RULES: dict[str, type[Rule]] = {}
 _PRES: dict[str, type[PreAggregator]] = {}
@@ -38,6 +42,18 @@ def names() -> list[str]:
 def pre_names() -> list[str]:
     """Names of the registered pre-aggregators."""
     return list(_PRES)
+
+
+def split_pipeline(name: str) -> tuple[list[str], str]:
+    """The pre-aggregators and the rule a pipeline name joins with ``+``, in order.
+
+    >>> split_pipeline("winsorize+nnm+trimmed_mean")
+    (['winsorize', 'nnm'], 'trimmed_mean')
+    >>> split_pipeline("krum")
+    ([], 'krum')
+    """
+    *pre, rule = (stage.strip() for stage in name.split(PIPELINE_SEPARATOR))
+    return pre, rule
 
 
 def _lookup(registry: Mapping[str, type[Component]], name: object, kind: str) -> type[Component]:
@@ -71,7 +87,9 @@ def build(
     Parameters
     ----------
     name : str or callable
-        A rule from :func:`names`; or a dotted path (``my_pkg.rules.MyRule``, as a config's
+        A rule from :func:`names`, or a whole pipeline joined with ``+``: pre-aggregators from
+        :func:`pre_names` in order, then the rule (``"winsorize+nnm+trimmed_mean"``); or a dotted
+        path (``my_pkg.rules.MyRule``, as a config's
         ``aggregator._target_``) or a callable, built with ``f`` and ``params`` by
         :func:`fedrobust.components.user_rule` and contract-checked
         (:func:`fedrobust.components.check_rule`) before it is returned.
@@ -79,7 +97,8 @@ def build(
         Number of Byzantine rows to tolerate; also given to the pre-aggregators.
     pre : sequence of str or mapping
         Pre-aggregators applied in order, each a name from :func:`pre_names` or a mapping
-        ``{"name": ..., **params}``. A single name or mapping is accepted too.
+        ``{"name": ..., **params}``. A single name or mapping is accepted too. Not with a pipeline
+        name, which names its pre-aggregators itself.
     **params
         Keyword parameters of the rule (see each rule's class).
 
@@ -101,7 +120,18 @@ def build(
     >>> agg = aggregators.build("krum", f=1, pre=["nnm"])
     >>> agg(torch.randn(7, 100)).shape
     torch.Size([100])
+    >>> aggregators.build("winsorize+nnm+trimmed_mean", f=1)
+    Aggregator(trimmed_mean (after winsorize, nnm), f=1)
     """
+    if isinstance(name, str) and PIPELINE_SEPARATOR in name:
+        named_pre, rule_name = split_pipeline(name)
+        if pre:
+            given = [item if isinstance(item, str) else item.get("name", "?") for item in _pre_items(pre)]
+            raise ValueError(
+                f"{name!r} names its pre-aggregators itself; give pre only with a bare rule name, or name "
+                f"every stage in one: {PIPELINE_SEPARATOR.join([*given, name])!r}"
+            )
+        return build(rule_name, f, pre=named_pre, **params)
     if isinstance(name, str) and (name in _RULES or not any(sep in name for sep in ".:")):
         rule = _construct(_lookup(_RULES, name, "aggregation rule"), f, params)
         return Aggregator(rule, build_pre(pre, f))  # type: ignore[arg-type]
@@ -116,9 +146,8 @@ def build(
 
 def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], f: int) -> list[PreAggregator]:
     """The pre-aggregators ``pre`` names (as in :func:`build`), each built with ``f``."""
-    items = (pre,) if isinstance(pre, (str, Mapping)) else tuple(pre)
     stages = []
-    for item in items:
+    for item in _pre_items(pre):
         if isinstance(item, Mapping):
             stage_params = dict(item)
             stage_name = stage_params.pop("name", None)
@@ -126,3 +155,10 @@ def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], 
             stage_name, stage_params = item, {}
         stages.append(_construct(_lookup(_PRES, stage_name, "pre-aggregator"), f, stage_params))
     return stages  # type: ignore[return-value]
+
+
+def _pre_items(
+    pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any],
+) -> tuple[str | Mapping[str, Any], ...]:
+    """``pre`` as a tuple of stages: a single name or mapping is one stage."""
+    return (pre,) if isinstance(pre, (str, Mapping)) else tuple(pre)

@@ -9,8 +9,9 @@ output at least as far as the default scale and every grid point. ByzFL searches
 then contracting line search from 0; a fixed grid plus golden section gives the same kind of answer
 with a bounded, predictable number of aggregations (``grid + 1 + refine``).
 
-Each evaluation builds the rule afresh with :func:`fedrobust.aggregators.build`, so a stateful rule
-(centered clipping's center, DnC's generator) starts from its initial state every time.
+The rule may be a pipeline (``winsorize+nnm+trimmed_mean``): the search then runs its pre-aggregators
+too, as the server does. Each evaluation builds the rule afresh with :func:`fedrobust.aggregators.build`,
+so a stateful rule (centered clipping's center, DnC's generator) starts from its initial state every time.
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def maximize_scale(objective: Callable[[float], float], *, default: float, max_s
 
 def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any) -> None:
     """Validate the rule the attack is tuned against by building it once."""
-    if not isinstance(rule, str) or rule not in aggregators.names():
+    pre, name = aggregators.split_pipeline(rule) if isinstance(rule, str) else ([], None)
+    if name not in aggregators.names() or any(stage not in aggregators.pre_names() for stage in pre):
         raise ValueError(
-            f"attack {attack!r}: parameter 'rule' must be one of {', '.join(aggregators.names())}, got {rule!r}"
+            f"attack {attack!r}: parameter 'rule' must be one of {', '.join(aggregators.names())}, or a "
+            f"pipeline of pre-aggregators ({', '.join(aggregators.pre_names())}) and a rule joined with "
+            f"'+', got {rule!r}"
         )
     if rule_f is not None:
         check_int(attack, "rule_f", rule_f, low=0)
@@ -97,7 +101,7 @@ class _Optimal(Attack):
     """Common part: the rule to attack and the search over one scale."""
 
     omniscient: ClassVar[bool] = True
-    rule: str = "trimmed_mean"
+    rule: str = "winsorize+nnm+trimmed_mean"  # the server's default
     rule_f: int | None = None
     rule_params: dict[str, Any] = field(default_factory=dict)
     max_scale: float = 10.0
@@ -154,8 +158,8 @@ class OptimalALIE(_Optimal):
 
     Parameters
     ----------
-    rule : str, default "trimmed_mean"
-        Registered aggregation rule the server is assumed to run.
+    rule : str, default "winsorize+nnm+trimmed_mean"
+        Registered aggregation rule, or ``+``-joined pipeline, the server is assumed to run.
     rule_f : int or None, default None
         The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
     rule_params : dict, default {}
@@ -194,8 +198,8 @@ class OptimalIPM(_Optimal):
 
     Parameters
     ----------
-    rule : str, default "trimmed_mean"
-        Registered aggregation rule the server is assumed to run.
+    rule : str, default "winsorize+nnm+trimmed_mean"
+        Registered aggregation rule, or ``+``-joined pipeline, the server is assumed to run.
     rule_f : int or None, default None
         The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
     rule_params : dict, default {}

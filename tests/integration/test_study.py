@@ -142,10 +142,14 @@ def test_rules_with_pre_aggregators_compose_into_their_pipeline() -> None:
         rule: RunSpec(partition="dirichlet", rule=rule, attack="backdoor", seed=0)
         for rule in ("trimmed_mean", "nnm+trimmed_mean", "arc+nnm+trimmed_mean")
     }
+    specs["optimal"] = RunSpec(partition="iid", rule="winsorize+nnm+trimmed_mean", attack="optimal_alie", seed=0)
     configs = compose({rule: overrides_for(spec, rounds=2) for rule, spec in specs.items()})
-    pres = {rule: (cfg.pre_aggregators(), cfg.aggregator.name) for rule, cfg in configs.items()}
+    pres = {rule: (cfg.pre_aggregators(), cfg.rule()) for rule, cfg in configs.items()}
     assert pres == {
         "trimmed_mean": ([], "trimmed_mean"),
         "nnm+trimmed_mean": (["nnm"], "trimmed_mean"),
         "arc+nnm+trimmed_mean": (["arc", "nnm"], "trimmed_mean"),
+        "optimal": (["winsorize", "nnm"], "trimmed_mean"),
     }
+    # An attack tuned to the server's rule is tuned to the whole pipeline.
+    assert configs["optimal"].attack.params["rule"] == "winsorize+nnm+trimmed_mean"

@@ -256,6 +256,20 @@ def test_unknown_names_and_parameters_list_the_valid_ones():
         aggregators.build("mean", pre=["clipping"])
 
 
+def test_a_pipeline_name_builds_its_stages_in_order():
+    x = data(12, d=40, dtype=torch.float32)
+    joined = aggregators.build("winsorize+nnm+trimmed_mean", f=2)
+    listed = aggregators.build("trimmed_mean", f=2, pre=["winsorize", "nnm"])
+    assert [p.name for p in joined.pre] == ["winsorize", "nnm"] and joined.label == listed.label
+    torch.testing.assert_close(joined(x), listed(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="unknown pre-aggregator 'nmm'; valid names: nnm"):
+        aggregators.build("nmm+krum")
+    with pytest.raises(ValueError, match="unknown aggregation rule 'krumm'"):
+        aggregators.build("nnm+krumm")
+    with pytest.raises(ValueError, match=r"names its pre-aggregators itself.*'clipping\+nnm\+krum'"):
+        aggregators.build("nnm+krum", pre=[{"name": "clipping", "threshold": 1.0}])
+
+
 @pytest.mark.parametrize("name", list(RULE_PARAMS))
 def test_negative_or_non_integer_f_raises(name):
     for f in (-1, 1.5, True):

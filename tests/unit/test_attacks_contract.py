@@ -77,8 +77,8 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "fang_krum": [("threshold", 0.0), ("threshold", math.inf)],
     "fang_trimmed_mean": [("b", 1.0), ("b", 0.5)],
     "optimal_alie": [
-        ("rule", "kurm"), ("rule_f", -1), ("rule_params", {"tau": 1.0}), ("max_scale", 0.0), ("grid", 1),
-        ("refine", -1),
+        ("rule", "kurm"), ("rule", "winsorise+trimmed_mean"), ("rule_f", -1), ("rule_params", {"tau": 1.0}),
+        ("max_scale", 0.0), ("grid", 1), ("refine", -1),
     ],
     "optimal_ipm": [
         ("rule", None), ("rule_f", 1.5), ("rule_params", [1]), ("max_scale", math.nan), ("grid", 2.0),
@@ -617,7 +617,11 @@ def test_fang_trimmed_mean_pushes_every_coordinate_against_its_direction() -> No
 
 
 @pytest.mark.parametrize(
-    "rule", ["trimmed_mean", "median", "krum", "geometric_median", "dnc", "signguard", "clipped_clustering"]
+    "rule",
+    [
+        "trimmed_mean", "median", "krum", "geometric_median", "dnc", "signguard", "clipped_clustering",
+        "winsorize+nnm+trimmed_mean",
+    ],
 )
 def test_optimal_alie_moves_the_rule_at_least_as_far_as_alie(rule: str) -> None:
     honest = honest_rows(seed=7)

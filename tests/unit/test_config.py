@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from experiments.run import to_run_config
 from fedrobust.config import RunConfig, from_flat
-from fedrobust.run_setup import byzantine_partitions, validate
+from fedrobust.run_setup import build_aggregator, byzantine_partitions, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -43,8 +43,37 @@ def test_every_group_choice_composes_and_validates(group: str, choice: str) -> N
 
 
 def test_unknown_aggregator_names_valid_choices() -> None:
-    with pytest.raises(ValueError, match=r"aggregator\.name=kurm: unknown choice; valid choices: .*\bkrum\b"):
+    with pytest.raises(ValueError, match=r"aggregator\.name=kurm: unknown rule 'kurm'; valid choices: .*\bkrum\b"):
         validate(_compose("aggregator.name=kurm"))
+
+
+def test_default_aggregator_is_the_pipeline_in_one_field() -> None:
+    cfg = validate(_compose())
+    assert cfg.aggregator.name == "winsorize+nnm+trimmed_mean" and cfg.aggregator.pre == ""
+    assert (cfg.pre_aggregators(), cfg.rule()) == (["winsorize", "nnm"], "trimmed_mean")
+    assert build_aggregator(cfg).label == "trimmed_mean (after winsorize, nnm)"
+
+
+def test_picking_a_rule_by_name_drops_the_default_pre_aggregators() -> None:
+    cfg = validate(_compose("aggregator.name=krum"))
+    assert build_aggregator(cfg).label == "krum"
+    cfg = validate(_compose("aggregator.name=krum", "aggregator.pre=nnm"))  # the two-field form still works
+    assert build_aggregator(cfg).label == "krum (after nnm)"
+
+
+def test_pipeline_stage_parameters_come_from_pre_params() -> None:
+    cfg = validate(_compose("aggregator.name=bucketing+median", "+aggregator.pre_params.bucketing.s=2"))
+    assert build_aggregator(cfg).pre[0].s == 2
+
+
+def test_unknown_pipeline_stage_is_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown pre-aggregator 'winsorise'; valid choices: .*\bwinsorize\b"):
+        validate(_compose("aggregator.name=winsorise+nnm+trimmed_mean"))
+
+
+def test_pre_aggregators_in_both_fields_are_refused_with_the_one_field_form() -> None:
+    with pytest.raises(ValueError, match=r"aggregator\.pre=clipping: .*'clipping\+winsorize\+nnm\+trimmed_mean'"):
+        validate(_compose("aggregator.pre=clipping"))
 
 
 def test_unknown_group_choice_fails_in_hydra() -> None:

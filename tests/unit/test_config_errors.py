@@ -53,11 +53,15 @@ WRONG: dict[str, Wrong] = {
     "clients_per_round": Wrong("25", "25", "must be in [1, num_clients=20]"),
     "num_rounds": Wrong("0", "0", "must be >= 1"),
     "seed": Wrong("-1", "-1", "must be >= 0"),
-    "aggregator.name": Wrong("krun", "krun", "unknown choice; valid choices: bulyan, centered_clipping"),
+    "aggregator.name": Wrong("krun", "krun", "unknown rule 'krun'; valid choices: a rule (bulyan, centered_clipping"),
     "aggregator._target_": Wrong("no_such_pkg.Rule", "no_such_pkg.Rule", "cannot import 'no_such_pkg.Rule'"),
-    "aggregator.pre": Wrong("nmm", "nmm", "unknown choice; valid choices: arc, bucketing, clipping, nnm"),
+    "aggregator.pre": Wrong(
+        "nmm", "nmm", "unknown choice; valid choices: arc, bucketing, clipping, nnm", ("aggregator.name=trimmed_mean",)
+    ),
     "aggregator.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) bogus; valid parameters:"),
-    "aggregator.pre_params": Wrong("{nnm:{k:1}}", '{"nnm": {"k": 1}}', "which aggregator.pre='' does not run"),
+    "aggregator.pre_params": Wrong(
+        "{arc:{}}", '{"arc": {}}', "which the pipeline ['winsorize', 'nnm', 'trimmed_mean'] does not run"
+    ),
     "aggregator.root_size": Wrong("0", "0", "must be >= 1"),
     "dataset.name": Wrong("mnsit", "mnsit", "unknown choice; valid choices: cifar10, digits, mnist"),
     "dataset._target_": Wrong("no_such_pkg.load", "no_such_pkg.load", "cannot import 'no_such_pkg.load'"),
