@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=20, help="replies per round (default 20)")
     parser.add_argument("--d-model", choices=sorted(MODEL_WIDTHS), default="1m", help="model size (default 1m)")
-    parser.add_argument("--rules", default=",".join(DEFAULT_RULES), help="comma-separated fedrobust rules")
+    parser.add_argument("--rules", default=",".join(DEFAULT_RULES), help="comma-separated fedrobust rules or pipelines")
     parser.add_argument("--flower", default=",".join(FLOWER_ENTRIES), help="Flower entries ('' for none)")
     parser.add_argument(
         "--strategy", action="store_true", help="also time RobustStrategy.aggregate_train itself for each rule"
@@ -442,9 +442,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     flower = [e for e in args.flower.split(",") if e]
     rules = [r for r in args.rules.split(",") if r]
-    for rule in rules:
-        if rule not in aggregators.names():
-            raise SystemExit(f"unknown rule {rule!r}; valid choices: {aggregators.names()}")
+    for rule in rules:  # a rule or a pipeline (winsorize+nnm+trimmed_mean), as aggregators.build takes it
+        try:
+            aggregators.build(rule, f=byzantine_count(args.n))
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     shapes = resnet18_shapes(MODEL_WIDTHS[args.d_model])
     print(
         f"n={args.n} replies, model {args.d_model}: {sum(math.prod(s) for s in shapes.values()):,} float32 in "

@@ -17,7 +17,7 @@ from fedrobust.aggregators._backend import flat_rows, numba_kernels
 from fedrobust.aggregators._networks import sorting_network, window_network
 from fedrobust.aggregators.rows import Rows
 
-__all__ = ["closest_mean", "window_mean"]
+__all__ = ["closest_mean", "window_bounds", "window_mean"]
 
 
 def _window_torch(y: Tensor, lo: int, hi: int) -> Tensor:
@@ -43,13 +43,15 @@ def _reduce(
     network: tuple[np.ndarray, np.ndarray],
     params: tuple[int, ...],
     torch_fn: Callable[[Tensor], Tensor],
+    outputs: tuple[int, ...] = (),
 ) -> Tensor:
+    """``[d, *outputs]``: the kernel's result per coordinate."""
     basis = rows.basis
-    out = _run(rows, kernel_name, network, params, torch_fn, rows.dtype)
+    out = _run(rows, kernel_name, network, params, torch_fn, rows.dtype, outputs)
     if out is None:
         basis.check_finite()
         # Finite input but non-finite combined rows: float32 overflow in a pre-aggregator's mix.
-        out = _run(rows, kernel_name, network, params, torch_fn, torch.float64)
+        out = _run(rows, kernel_name, network, params, torch_fn, torch.float64, outputs)
         if out is None:
             raise basis.error("pre-aggregated rows overflow float64", "input entries must be below about 1e300")
         out = out.to(rows.dtype)
@@ -65,10 +67,11 @@ def _run(
     params: tuple[int, ...],
     torch_fn: Callable[[Tensor], Tensor],
     dtype: torch.dtype,
+    outputs: tuple[int, ...],
 ) -> Tensor | None:
     """One pass; returns ``None`` if a non-finite value was seen."""
     basis = rows.basis
-    out = torch.empty(rows.d, dtype=dtype, device=rows.device)
+    out = torch.empty((rows.d, *outputs), dtype=dtype, device=rows.device)
     kernels = numba_kernels(rows.device)
     if kernels is None:
         finite = torch.ones((), dtype=torch.bool, device=rows.device)
@@ -82,7 +85,7 @@ def _run(
     block = kernels.block_size(rows.m, torch.finfo(dtype).bits // 8)
     out_np = out.numpy()
     all_finite = True
-    if rows.mix is None and basis.x.dtype == dtype and basis.x.stride(1) == 1:
+    if rows.mix is None and basis.in_place and basis.x.dtype == dtype and basis.x.stride(1) == 1:
         # Read the input in place; a row subset is passed as indices instead of being copied.
         flat, row_stride = flat_rows(basis.x)
         index = torch.arange(basis.n) if rows.index is None else rows.index
@@ -117,6 +120,22 @@ def window_mean(rows: Rows, lo: int, hi: int) -> Tensor:
         ``[d]`` in the rows' compute dtype.
     """
     return _reduce(rows, "window_mean", window_network(rows.m, lo, hi), (lo, hi), lambda y: _window_torch(y, lo, hi))
+
+
+def window_bounds(rows: Rows, lo: int, hi: int) -> Tensor:
+    """``[2, d]``: per coordinate, the smallest and the largest of the sorted row values at positions ``lo..hi-1``.
+
+    One pass for both (the window network of a trimmed mean, then a minimum and a maximum over the window).
+    """
+    pair = _reduce(
+        rows, "window_bounds", window_network(rows.m, lo, hi), (lo, hi), lambda y: _bounds_torch(y, lo, hi), (2,)
+    )
+    return pair.T.contiguous()
+
+
+def _bounds_torch(y: Tensor, lo: int, hi: int) -> Tensor:
+    ordered = torch.sort(y, dim=0).values
+    return torch.stack([ordered[lo], ordered[hi - 1]], dim=1)
 
 
 def closest_mean(rows: Rows, beta: int) -> Tensor:

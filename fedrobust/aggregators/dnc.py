@@ -97,7 +97,7 @@ class DivideAndConquer(Rule):
                 columns = torch.arange(d)
             else:
                 columns = torch.randperm(d, generator=self.generator)[: self.sub_dim].sort().values
-            sub = coef @ basis.x.index_select(1, columns.to(rows.device)).to(torch.float64)
+            sub = coef @ basis.columns(columns.to(rows.device)).to(torch.float64)
             if not bool(torch.isfinite(sub).all()):
                 basis.check_finite()  # raises for non-finite input; otherwise float64 overflow of a mix
                 raise basis.error("pre-aggregated rows overflow float64", "input entries must be below about 1e300")

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from fedrobust.aggregators._order import window_mean
+from fedrobust.aggregators._order import window_bounds
 from fedrobust.aggregators._registry import register_pre
 from fedrobust.aggregators.base import PreAggregator, check_float, check_int
 from fedrobust.aggregators.rows import Basis, Rows
@@ -156,6 +156,10 @@ class CoordinateWinsorizing(PreAggregator):
     alone move some coordinates far (a backdoor's trigger weights, which honest clients leave near
     zero) no longer pass them on. Rows keep their place and their other coordinates. Needs ``n >= 2f + 1``;
     with ``f = 0`` the rows pass unchanged.
+
+    Both bounds come from one order-statistic pass. In front of the pipeline (the default,
+    ``winsorize+nnm+trimmed_mean``) nothing is written: later stages read the input through the bounds.
+    After a stage that mixes rows, the clamped rows are written once, as an ``[n, d]`` copy.
     """
 
     name = "winsorize"
@@ -168,12 +172,18 @@ class CoordinateWinsorizing(PreAggregator):
         if self.f == 0:
             return rows
         m = rows.m
-        low = window_mean(rows, self.f, self.f + 1)
-        high = window_mean(rows, m - self.f - 1, m - self.f)
+        bounds = window_bounds(rows, self.f, m - self.f)  # [2, d]: the f+1-th smallest and largest
+        base = rows.basis
+        if rows.mix is None and rows.index is None:
+            # The input rows themselves: every later read clamps them on the fly, so no [n, d] copy is
+            # written. Bounds already there are replaced, not stacked: these ones lie inside them.
+            clamped = Basis(base.x, extras=base.extras, augmented=base.augmented, chunk_size=base.chunk_size,
+                            bounds=bounds, owner=base.owner, f=base.f)
+            clamped.validated = True  # the order statistics above passed over every value
+            return Rows(clamped)
         out = torch.empty((m, rows.d), dtype=rows.dtype, device=rows.device)
         for start, stop, chunk in rows.chunks():
-            torch.clamp(chunk, low[start:stop], high[start:stop], out=out[:, start:stop])
-        base = rows.basis
+            torch.clamp(chunk, bounds[0, start:stop], bounds[1, start:stop], out=out[:, start:stop])
         clamped = Basis(out, extras=base.extras, augmented=base.augmented, chunk_size=base.chunk_size,
                         owner=base.owner, f=base.f)
         clamped.validated = True  # the order statistics above passed over every value

@@ -50,6 +50,9 @@ class Basis:
         are not affine combinations of the inputs (after clipping).
     chunk_size : int or None
         Coordinates per pass; ``None`` sizes chunks to about 8 MiB.
+    bounds : Tensor or None
+        ``[2, d]`` lower and upper bounds (compute dtype) that every read of the rows clamps to
+        (coordinate-wise winsorizing without an ``[n, d]`` copy); not applied to the extras.
     owner : str
         Name used in error messages.
     f : int
@@ -63,10 +66,12 @@ class Basis:
         extras: Sequence[Tensor] = (),
         augmented: bool = False,
         chunk_size: int | None = None,
+        bounds: Tensor | None = None,
         owner: str,
         f: int,
     ) -> None:
         self.x = x
+        self.bounds = bounds
         self.n, self.d = x.shape
         self.dtype = compute_dtype(x.dtype)
         self.extras = list(extras)
@@ -100,6 +105,26 @@ class Basis:
         for start in range(0, self.d, width):
             yield start, min(self.d, start + width)
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the rows are ``x`` itself, so that a kernel may read ``x``'s memory directly."""
+        return self.bounds is None
+
+    def block(self, start: int, stop: int) -> Tensor:
+        """The rows' coordinates ``start:stop``: ``x``'s columns, clamped to the bounds if any."""
+        chunk = self.x[:, start:stop]
+        if self.bounds is None:
+            return chunk
+        return torch.clamp(chunk.to(self.dtype), self.bounds[0, start:stop], self.bounds[1, start:stop])
+
+    def columns(self, index: Tensor) -> Tensor:
+        """The rows' coordinates at ``index`` (int64), clamped to the bounds if any."""
+        picked = self.x.index_select(1, index)
+        if self.bounds is None:
+            return picked
+        bounds = self.bounds.index_select(1, index)
+        return torch.clamp(picked.to(self.dtype), bounds[0], bounds[1])
+
     def check_finite(self) -> None:
         """Read the whole input once and raise ``ValueError`` if any entry is NaN or infinite."""
         finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -121,7 +146,7 @@ class Basis:
             return 0
         step = max(1, self.d // _REFERENCE_SAMPLE)
         columns = torch.arange(0, self.d, step, device=self.device)[:_REFERENCE_SAMPLE]
-        sample = self.x.index_select(1, columns).to(torch.float64)
+        sample = self.columns(columns).to(torch.float64)
         sample = sample - sample.median(dim=0).values
         inner = sample @ sample.T
         norms = inner.diagonal()
@@ -156,6 +181,7 @@ class Basis:
         kernels = numba_kernels(self.device)
         if kernels is not None and self.x.dtype == dtype and self.x.stride(1) == 1:
             flat, row_stride = flat_rows(self.x)
+            bounds = None if self.bounds is None else self.bounds.to(dtype).numpy()
             if len(self.extras) == 1:
                 extras = self.extras[0][None].contiguous()  # a view: no copy of a model-sized vector
             elif self.extras:
@@ -165,12 +191,11 @@ class Basis:
             lower = np.zeros((k + 4, k + 4))
             for start, stop in self.spans(k):
                 lower += kernels.gram(
-                    flat, row_stride, start, stop - start, self.n, ref_index, extras.numpy(), self.augmented
+                    flat, row_stride, start, stop - start, self.n, ref_index, extras.numpy(), self.augmented, bounds
                 )
             lower = np.tril(lower[:k, :k])
             return torch.from_numpy(lower + np.tril(lower, -1).T)
 
-        ref = self.x[ref_index]
         n = self.n
         gram = torch.zeros(k, k, dtype=torch.float64, device=self.device)
         buf = None
@@ -178,11 +203,12 @@ class Basis:
             if buf is None:
                 buf = torch.empty(k, stop - start, dtype=dtype, device=self.device)
             z = buf[:, : stop - start]
-            r = ref[start:stop]
-            if self.x.dtype == dtype:
-                torch.sub(self.x[:, start:stop], r, out=z[:n])
+            chunk = self.block(start, stop)
+            r = chunk[ref_index].to(dtype, copy=True)
+            if chunk.dtype == dtype:
+                torch.sub(chunk, r, out=z[:n])
             else:
-                z[:n].copy_(self.x[:, start:stop])
+                z[:n].copy_(chunk)
                 z[:n].sub_(r)
             for j, vector in enumerate(self.extras):
                 z[n + j].copy_(vector[start:stop])
@@ -212,12 +238,15 @@ class Basis:
         nonzero = torch.nonzero(row_coef).flatten()
         if nonzero.numel() == 1 and not bool(extra_coef.any()) and bool(row_coef[nonzero] == 1):
             # Krum and friends select one row: copy it instead of reading every row.
-            return self.x[int(nonzero)].to(dtype=dtype, copy=True)
+            row = self.x[int(nonzero)].to(dtype=dtype, copy=True)
+            if self.bounds is not None:
+                torch.clamp(row, self.bounds[0].to(dtype), self.bounds[1].to(dtype), out=row)
+            return row
         out = torch.empty(self.d, dtype=dtype, device=self.device)
         weights = row_coef.to(dtype)
         extra_weights = extra_coef.tolist()
         for start, stop in self.spans(n):
-            torch.mv(self.x[:, start:stop].to(dtype).T, weights, out=out[start:stop])
+            torch.mv(self.block(start, stop).to(dtype).T, weights, out=out[start:stop])
             for weight, vector in zip(extra_weights, self.extras, strict=True):
                 out[start:stop].add_(vector[start:stop].to(dtype), alpha=weight)
         self.validated = True
@@ -230,7 +259,7 @@ class Basis:
         weights = None if mix is None else mix.to(dtype)
         rows = self.n if weights is None else max(self.n, weights.shape[0])
         for start, stop in self.spans(rows):
-            chunk = self.x[:, start:stop]
+            chunk = self.block(start, stop)
             if weights is not None:
                 yield start, stop, weights @ chunk.to(dtype)
             elif index is not None:

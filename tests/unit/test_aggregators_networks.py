@@ -71,3 +71,22 @@ def test_kernel_reads_column_ranges_and_row_subsets():
     np.testing.assert_array_equal(out, np.median(x[rows, 3:4003], axis=0))
     x[5, 100] = np.nan
     assert not kernels.launch(kernels.window_mean, x.ravel(), 5000, 3, out, rows, a, b, 2, 3, 64)
+
+
+@pytest.mark.parametrize(("m", "lo", "hi"), [(5, 1, 4), (20, 4, 16), (50, 11, 39), (7, 0, 7)])
+def test_window_bounds_kernel_gives_the_window_s_smallest_and_largest(m: int, lo: int, hi: int) -> None:
+    """Winsorizing's bounds: sorted positions lo and hi - 1 of each column, from one network pass."""
+    kernels = numba_kernels(torch.device("cpu"))
+    assert kernels is not None
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m + 3, 5000)).astype(np.float32)
+    x[:, 10] = 1.0  # ties
+    rows = rng.permutation(m + 3)[:m].astype(np.int64)
+    out = np.empty((4000, 2), np.float32)
+    a, b = window_network(m, lo, hi)
+    assert kernels.launch(kernels.window_bounds, x.ravel(), 5000, 3, out, rows, a, b, lo, hi, kernels.block_size(m, 4))
+    ordered = np.sort(x[rows, 3:4003], axis=0)
+    np.testing.assert_array_equal(out[:, 0], ordered[lo])
+    np.testing.assert_array_equal(out[:, 1], ordered[hi - 1])
+    x[rows[0], 100] = np.inf
+    assert not kernels.launch(kernels.window_bounds, x.ravel(), 5000, 3, out, rows, a, b, lo, hi, 64)

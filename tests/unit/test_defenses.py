@@ -281,3 +281,45 @@ def test_winsorize_clamps_each_coordinate_to_what_a_trimmed_mean_keeps() -> None
     assert torch.equal(held, torch.zeros(3, dtype=torch.float64))
     # f = 0: nothing to clamp, the rows pass unchanged.
     torch.testing.assert_close(aggregators.build("mean", f=0, pre=("winsorize",))(x), x.mean(dim=0))
+
+
+@pytest.mark.parametrize(
+    "rest",
+    ["mean", "krum", "multikrum", "geometric_median", "trimmed_mean", "median", "centered_clipping", "dnc",
+     "nnm+trimmed_mean", "nnm+krum", "bucketing+mean", "winsorize+trimmed_mean", "clipped_clustering", "signguard"],
+)
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_winsorize_in_front_reads_the_rows_clamped_without_copying_them(
+    rest: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Winsorizing the input rows keeps no copy: later stages read them clamped. Every stage after it must see
+    exactly the rows an explicit clamp writes, whatever it reads (order statistics, Gram matrix, one selected
+    row, sampled columns), on the CPU kernels and on the torch path of other devices."""
+    if backend == "torch":
+        monkeypatch.setenv("FEDROBUST_NUMBA", "0")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(N, D, generator=g)
+    x[-F:] += 3.0 * torch.randn(F, D, generator=g)  # outliers for the clamp to catch
+    low, high = x.sort(dim=0).values[F], x.sort(dim=0).values[N - F - 1]
+    clamped = torch.minimum(torch.maximum(x, low), high)
+    lazy = aggregators.build(f"winsorize+{rest}", f=F)(x)
+    explicit = aggregators.build(rest, f=F)(clamped)
+    torch.testing.assert_close(lazy, explicit, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(x, clamped)  # the input itself is left as it was
+
+
+def test_winsorize_after_a_mixing_stage_clamps_the_mixed_rows() -> None:
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(N, D, generator=g, dtype=torch.float64)
+    rows_after_nnm = _nnm_rows(x, F)
+    low, high = rows_after_nnm.sort(dim=0).values[F], rows_after_nnm.sort(dim=0).values[N - F - 1]
+    clamped = torch.minimum(torch.maximum(rows_after_nnm, low), high)
+    out = aggregators.build("nnm+winsorize+mean", f=F)(x)
+    torch.testing.assert_close(out, clamped.mean(dim=0))
+
+
+def _nnm_rows(x: torch.Tensor, f: int) -> torch.Tensor:
+    """NNM by its definition: each row replaced by the mean of its n - f nearest rows (itself included)."""
+    dist = torch.cdist(x, x)
+    nearest = dist.argsort(dim=1)[:, : x.shape[0] - f]
+    return x[nearest].mean(dim=1)
