@@ -809,6 +809,8 @@ class RobustStrategy(Strategy):
             # aborting under a thread still writing into torch memory.
             self._touching = threading.Thread(target=matrix.touch, name="fedrobust-touch-rows")
             self._touching.start()
+            # The rules' CPU kernels load meanwhile too, not in the first round's aggregation (about 1 s).
+            threading.Thread(target=aggregators.load_kernels, name="fedrobust-load-kernels").start()
 
     def _matrix_for(self, capacity: int) -> UpdateMatrix:
         """The strategy's update matrix, reset to this round's global model, with room for ``capacity`` rows."""

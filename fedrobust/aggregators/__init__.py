@@ -23,7 +23,16 @@ from fedrobust.aggregators import clustering  # noqa: F401  isort: skip
 from fedrobust.aggregators import foolsgold  # noqa: F401  isort: skip
 from fedrobust.aggregators import fltrust  # noqa: F401  isort: skip
 from fedrobust.aggregators import pre  # noqa: F401  isort: skip
+import torch  # isort: skip
+
+from fedrobust.aggregators._backend import numba_kernels
 from fedrobust.aggregators._registry import PIPELINE_SEPARATOR, build, names, pre_names, split_pipeline
 from fedrobust.aggregators.pipeline import Aggregator
 
-__all__ = ["PIPELINE_SEPARATOR", "Aggregator", "build", "names", "pre_names", "split_pipeline"]
+__all__ = ["PIPELINE_SEPARATOR", "Aggregator", "build", "load_kernels", "names", "pre_names", "split_pipeline"]
+
+
+def load_kernels(device: torch.device | str = "cpu") -> bool:
+    """Load the rules' compiled CPU kernels now instead of in the first aggregation (about 1 s; compiled the
+    first time on a machine). Returns whether they serve ``device``: False off the CPU or without numba."""
+    return numba_kernels(torch.device(device)) is not None

@@ -90,3 +90,12 @@ def test_window_bounds_kernel_gives_the_window_s_smallest_and_largest(m: int, lo
     np.testing.assert_array_equal(out[:, 1], ordered[hi - 1])
     x[rows[0], 100] = np.inf
     assert not kernels.launch(kernels.window_bounds, x.ravel(), 5000, 3, out, rows, a, b, lo, hi, 64)
+
+
+def test_load_kernels_says_which_devices_the_compiled_kernels_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedrobust import aggregators
+
+    assert aggregators.load_kernels("cpu") is True
+    assert aggregators.load_kernels("meta") is False
+    monkeypatch.setenv("FEDROBUST_NUMBA", "0")  # the torch path chosen on the CPU too
+    assert aggregators.load_kernels("cpu") is False
