@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.sgd import sgd
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = ["AMP_MODES", "derive_seed", "evaluate", "pick_device", "train"]
@@ -194,8 +195,12 @@ def train(
 
     model.to(device)
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     scaler = torch.amp.GradScaler("cuda") if amp == "fp16" else None
+    optimizer: torch.optim.Optimizer | _FunctionalSGD
+    if scaler is not None:  # GradScaler steps a torch.optim.Optimizer
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    else:
+        optimizer = _FunctionalSGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     # The generator alone decides the batch order (RandomSampler and the loader's base seed draw from it).
     loader = DataLoader(
         dataset,
@@ -220,6 +225,7 @@ def train(
                     loss = F.cross_entropy(logits, targets)
                 if scaler is not None:
                     scaler.scale(loss).backward()
+                    assert isinstance(optimizer, torch.optim.Optimizer)  # built so above
                     scaler.step(optimizer)
                     scaler.update()
                 else:
@@ -237,6 +243,48 @@ def train(
         "num_examples": num_examples,
         "seconds": time.perf_counter() - start,
     }
+
+
+class _FunctionalSGD:
+    """``torch.optim.SGD``'s step through its functional form, :func:`torch.optim.sgd.sgd`: the same arithmetic.
+
+    Building a ``torch.optim.Optimizer`` imports ``torch._dynamo`` (about 1.3 s of CPU, more than the rest of
+    a small training round). A SuperNode starts one ClientApp process per message, so a device would pay that
+    on every message; the functional form does not import it.
+    """
+
+    def __init__(self, params: Iterator[nn.Parameter], *, lr: float, momentum: float, weight_decay: float) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.momentum_buffers: list[torch.Tensor | None] = [None] * len(self.params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        # As torch.optim.SGD.step: only parameters with a gradient, each with its own momentum buffer.
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [grad for grad in (self.params[i].grad for i in live) if grad is not None]
+        buffers = [self.momentum_buffers[i] for i in live]
+        sgd(
+            [self.params[i] for i in live],
+            grads,
+            buffers,
+            has_sparse_grad=any(g.is_sparse for g in grads),
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            lr=self.lr,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+        )
+        for i, buffer in zip(live, buffers, strict=True):
+            self.momentum_buffers[i] = buffer
 
 
 def evaluate(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from fedrobust import data, models, training
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -194,3 +199,44 @@ def test_derive_seed() -> None:
     assert training.derive_seed(0, 1, -1) != training.derive_seed(0, 1, 1)
     with pytest.raises(TypeError):
         training.derive_seed(0.5, 1, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("momentum", "weight_decay"), [(0.9, 0.0), (0.0, 0.0), (0.9, 1e-3)])
+def test_local_sgd_steps_exactly_as_torch_optim_sgd(momentum: float, weight_decay: float) -> None:
+    """The training loop's SGD (torch's functional form, which does not import torch._dynamo) gives the bytes
+    of torch.optim.SGD, a frozen parameter and a parameter without a gradient in some steps included."""
+    def make() -> nn.Module:
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Linear(4, 3))
+        net[0].bias.requires_grad_(False)
+        return net
+
+    reference, ours = make(), make()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    our_opt = training._FunctionalSGD(ours.parameters(), lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+        for net, opt in ((reference, ref_opt), (ours, our_opt)):
+            opt.zero_grad(set_to_none=True)
+            head = net[:3] if step % 2 else net  # every other step the last layer gets no gradient
+            out = head(x)
+            nn.functional.cross_entropy(out[:, :3] if out.shape[1] > 3 else out, y).backward()
+            opt.step()
+    for a, b in zip(reference.state_dict().values(), ours.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_training_does_not_import_torch_dynamo(tmp_path: Path) -> None:
+    """A ClientApp process (one per message on a SuperNode) must not pay torch._dynamo's import for SGD."""
+    script = (
+        "import sys, torch\n"
+        "from torch.utils.data import TensorDataset\n"
+        "from fedrobust import training\n"
+        "net = torch.nn.Linear(4, 2)\n"
+        "ds = TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,)))\n"
+        "training.train(net, ds, epochs=1, batch_size=4, lr=0.1, device='cpu', seed=0)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert done.stdout.strip() == "False", done.stderr
