@@ -99,3 +99,21 @@ def test_load_kernels_says_which_devices_the_compiled_kernels_serve(monkeypatch:
     assert aggregators.load_kernels("meta") is False
     monkeypatch.setenv("FEDROBUST_NUMBA", "0")  # the torch path chosen on the CPU too
     assert aggregators.load_kernels("cpu") is False
+
+
+def test_importing_the_rules_leaves_scipy_out() -> None:
+    """Every simulated client and ServerApp imports the rules; only ClippedClustering needs scipy.cluster
+    (about 0.35 s of CPU to import), so it imports it when it runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from fedrobust import aggregators\n"
+        "before = 'scipy' in sys.modules\n"
+        "aggregators.build('clipped_clustering', f=1)(torch.randn(6, 10))\n"
+        "print(before, 'scipy.cluster' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False True", done.stdout
