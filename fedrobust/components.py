@@ -63,9 +63,11 @@ __all__ = [
     "dataset_spec",
     "describe",
     "import_target",
+    "load_evaluation_set",
     "load_local",
     "load_partition",
     "load_test_set",
+    "load_validation_set",
     "user_rule",
 ]
 
@@ -267,37 +269,51 @@ def dataset_spec(cfg: RunConfig) -> data.DatasetSpec:
 
 
 def load_partition(cfg: RunConfig, partition_id: int, num_partitions: int) -> TensorDataset:
-    """Client ``partition_id``'s share of the training set, by the configured partitioner."""
+    """Client ``partition_id``'s share of the training set (minus the validation hold-out), by the configured
+    partitioner."""
     p = cfg.partition
+    how: dict[str, Any] = {
+        "partitioner": p.name, "alpha": p.alpha, "classes_per_partition": p.classes_per_partition, "seed": cfg.seed
+    }
     if not cfg.dataset._target_:
         return data.load_partition(
-            cfg.dataset.name,
-            partition_id,
-            num_partitions,
-            partitioner=p.name,
-            alpha=p.alpha,
-            classes_per_partition=p.classes_per_partition,
-            seed=cfg.seed,
+            cfg.dataset.name, partition_id, num_partitions, validation_fraction=cfg.dataset.validation_fraction, **how
         )
     x, y = user_data(cfg).train.tensors
-    index = data.partition_indices(
-        y.numpy(),
-        partition_id,
-        num_partitions,
-        partitioner=p.name,
-        alpha=p.alpha,
-        classes_per_partition=p.classes_per_partition,
-        seed=cfg.seed,
-    )
+    kept, _ = _user_holdout(cfg)
+    index = kept[data.partition_indices(y.numpy()[kept], partition_id, num_partitions, **how)]
     chosen = torch.from_numpy(index)
     return TensorDataset(x.index_select(0, chosen), y.index_select(0, chosen))
 
 
+def _user_holdout(cfg: RunConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out) indices of the user training set for ``dataset.validation_fraction``."""
+    return data.holdout_split(user_data(cfg).train.tensors[1].numpy(), cfg.dataset.validation_fraction, cfg.seed)
+
+
 def load_test_set(cfg: RunConfig) -> TensorDataset:
-    """The test set of the configured data set, for the server's central evaluation."""
+    """The test set of the configured data set."""
     if cfg.dataset._target_:
         return user_data(cfg).test
     return data.load_test_set(cfg.dataset.name, seed=cfg.seed)
+
+
+def load_validation_set(cfg: RunConfig) -> TensorDataset:
+    """The validation hold-out of the training set (``dataset.validation_fraction`` > 0): no client holds it."""
+    if not cfg.dataset._target_:
+        return data.load_validation_set(cfg.dataset.name, fraction=cfg.dataset.validation_fraction, seed=cfg.seed)
+    if cfg.dataset.validation_fraction == 0:
+        raise ValueError("dataset.validation_fraction is 0: nothing is held out, so there is no validation set")
+    x, y = user_data(cfg).train.tensors
+    held = torch.from_numpy(_user_holdout(cfg)[1])
+    return TensorDataset(x.index_select(0, held), y.index_select(0, held))
+
+
+def load_evaluation_set(cfg: RunConfig) -> TensorDataset:
+    """What the server evaluates the global model on: the validation hold-out when
+    ``dataset.validation_fraction`` > 0 (hyper-parameters are picked on it, the test set stays unseen), else
+    the test set."""
+    return load_validation_set(cfg) if cfg.dataset.validation_fraction > 0 else load_test_set(cfg)
 
 
 def load_local(path: str, cfg: RunConfig) -> TensorDataset:

@@ -52,6 +52,9 @@ class DatasetConfig:
     name: str = "digits"
     _target_: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+    # Share of the training set held out from every client (stratified, from the seed); when > 0 the server
+    # evaluates on it instead of the test set, so that hyper-parameters are picked without seeing the test set.
+    validation_fraction: float = 0.0
 
 
 @dataclass

@@ -15,6 +15,10 @@ Three data sets are known (:data:`DATASETS`):
     (parquet files named ``train-*`` and ``test-*``). The test set is the Hub's ``test`` split. Offline, also set
     ``HF_DATASETS_OFFLINE=1``; flwr-datasets sends usage telemetry unless ``FLWR_TELEMETRY_ENABLED=0``.
 
+A *validation hold-out* (``validation_fraction`` > 0, digits only) takes a stratified share of the training
+split out of every partition, drawn from ``seed`` (:func:`holdout_split`): hyper-parameters are then picked on
+:func:`load_validation_set` while the test set stays unseen. With the default 0 nothing is held out.
+
 Partitions of the training split are made by flwr-datasets partitioners (:data:`PARTITIONERS`): ``iid``
 (:class:`~flwr_datasets.partitioner.IidPartitioner`), ``dirichlet`` (label skew,
 :class:`~flwr_datasets.partitioner.DirichletPartitioner`) and ``pathological`` (a fixed number of classes per
@@ -61,7 +65,9 @@ __all__ = [
     "dataset_spec",
     "load_local",
     "load_partition",
+    "holdout_split",
     "load_test_set",
+    "load_validation_set",
     "partition_indices",
 ]
 
@@ -162,6 +168,7 @@ def load_partition(
     classes_per_partition: int = 2,
     seed: int = 0,
     data_dir: str | os.PathLike[str] | None = None,
+    validation_fraction: float = 0.0,
 ) -> TensorDataset:
     """Load one client's partition of a data set's training split.
 
@@ -189,6 +196,9 @@ def load_partition(
     data_dir : str or os.PathLike, optional
         Root folder of local copies of Hub data sets (see the module docstring); defaults to the
         ``FEDROBUST_DATA_DIR`` environment variable, and when that is unset the Hub is used. Ignored for digits.
+    validation_fraction : float, default 0.0
+        Share of the training split held out for validation (:func:`load_validation_set`) before it is
+        partitioned; 0 holds out nothing. Digits only.
 
     Returns
     -------
@@ -200,22 +210,27 @@ def load_partition(
     ------
     ValueError
         For an unknown data set or partitioner (the message lists the valid ones), an out-of-range
-        ``partition_id``, ``num_partitions``, ``alpha`` or ``classes_per_partition``, or when the Dirichlet
-        partitioner cannot give every partition its minimum size.
+        ``partition_id``, ``num_partitions``, ``alpha``, ``classes_per_partition`` or ``validation_fraction``, or
+        when the Dirichlet partitioner cannot give every partition its minimum size.
     FileNotFoundError
         If ``data_dir`` is set but holds no copy of the requested Hub data set.
     """
     _check_dataset(name)
+    _check_validation_fraction(name, validation_fraction)
     params = _partitioner_params(
         name, _SPECS[name].num_classes, partition_id, num_partitions, partitioner, alpha, classes_per_partition
     )
     # Digits ship with scikit-learn, so the arguments alone fix a partition: it is made once, then read from disk.
     key = None
     if name == "digits":
-        key = _digits_key("partition", seed, partition_id, num_partitions, partitioner, list(params))
+        key = _digits_key(
+            "partition", seed, partition_id, num_partitions, partitioner, list(params), validation_fraction
+        )
     if key is not None and (hit := array_cache.load(key)) is not None:
         return TensorDataset(torch.from_numpy(hit["x"]), torch.from_numpy(hit["y"]))
-    load = _partition_loader(name, num_partitions, partitioner, params, seed, _resolve_data_dir(name, data_dir))
+    load = _partition_loader(
+        name, num_partitions, partitioner, params, seed, _resolve_data_dir(name, data_dir), validation_fraction
+    )
     partition = _to_tensors(name, load(partition_id))
     if key is not None:
         array_cache.store(key, {"x": partition.tensors[0].numpy(), "y": partition.tensors[1].numpy()})
@@ -360,9 +375,13 @@ def _resolve_data_dir(name: str, data_dir: str | os.PathLike[str] | None) -> str
     return str(path)
 
 
+_Arrays = tuple[np.ndarray, np.ndarray]
+
+
 @functools.lru_cache(maxsize=8)
-def _digits_splits(seed: int) -> tuple[datasets.Dataset, tuple[np.ndarray, np.ndarray]]:
-    """Return the digits training split as a Hugging Face dataset and the test split as arrays."""
+def _digits_splits(seed: int, validation_fraction: float = 0.0) -> tuple[datasets.Dataset, _Arrays, _Arrays]:
+    """The digits training split (minus the validation hold-out) as a Hugging Face dataset; the test split and
+    the validation hold-out (empty when ``validation_fraction`` is 0) as arrays."""
     import datasets
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -374,14 +393,94 @@ def _digits_splits(seed: int) -> tuple[datasets.Dataset, tuple[np.ndarray, np.nd
     x_train, x_test, y_train, y_test = train_test_split(
         x, y, test_size=_DIGITS_TEST_FRACTION, stratify=y, random_state=seed
     )
+    keep, held = holdout_split(y_train, validation_fraction, seed)
     features = datasets.Features(
         {
             _DIGITS_FEATURE: datasets.Sequence(datasets.Value("float32"), length=x.shape[1]),
             _LABEL: datasets.ClassLabel(num_classes=_SPECS["digits"].num_classes),
         }
     )
+    if len(held):
+        x_train, y_train, validation = x_train[keep], y_train[keep], (x_train[held], y_train[held])
+    else:  # the split as it was before hold-outs existed: runs without one keep their bytes
+        validation = (x_train[:0], y_train[:0])
     train = datasets.Dataset.from_dict({_DIGITS_FEATURE: x_train, _LABEL: y_train}, features=features)
-    return train, (x_test, y_test)
+    return train, (x_test, y_test), validation
+
+
+def holdout_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split sample indices into (kept, held out), stratified: ``round(fraction * count)`` of every class held out.
+
+    Parameters
+    ----------
+    labels : numpy.ndarray
+        ``[n]`` integer labels.
+    fraction : float
+        Share held out, in ``[0, 1)``; 0 holds out nothing.
+    seed : int
+        Seeds which samples of each class are held out.
+
+    Returns
+    -------
+    tuple of numpy.ndarray
+        Both int64 index arrays in ascending order; together they are ``0 .. n-1``.
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {fraction}")
+    y = np.asarray(labels)
+    held = np.zeros(len(y), dtype=bool)
+    if fraction > 0:
+        # Its own stream: the hold-out must not shift any other draw made from the seed.
+        rng = np.random.default_rng([seed, 0x7A1])
+        for label in np.unique(y):
+            members = np.flatnonzero(y == label)
+            held[rng.choice(members, size=int(round(fraction * len(members))), replace=False)] = True
+    return np.flatnonzero(~held).astype(np.int64), np.flatnonzero(held).astype(np.int64)
+
+
+def _check_validation_fraction(name: str, fraction: float) -> None:
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {fraction}")
+    if fraction > 0 and name != "digits":
+        raise ValueError(
+            f"a validation hold-out is built for digits and for dataset._target_ loaders, not for {name}; "
+            "set validation_fraction=0"
+        )
+
+
+def load_validation_set(name: str, *, fraction: float, seed: int = 0) -> TensorDataset:
+    """The validation hold-out of a data set's training split: the samples no partition holds.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`DATASETS`; the hold-out is built for ``digits``.
+    fraction : float
+        Share of the training split held out, in ``(0, 1)``, as given to :func:`load_partition`.
+    seed : int, default 0
+        As given to :func:`load_partition`.
+
+    Returns
+    -------
+    TensorDataset
+        ``(x, y)`` as in :func:`load_partition`, disjoint from every partition and from the test set.
+
+    Raises
+    ------
+    ValueError
+        For an unknown data set, a data set without a hold-out, or ``fraction`` outside ``(0, 1)``.
+    """
+    _check_dataset(name)
+    _check_validation_fraction(name, fraction)
+    if fraction == 0:
+        raise ValueError("validation_fraction is 0: nothing is held out, so there is no validation set")
+    key = _digits_key("validation", seed, fraction)
+    hit = array_cache.load(key)
+    if hit is None:
+        _, _, (x, y) = _digits_splits(seed, fraction)
+        hit = {"x": x, "y": y}
+        array_cache.store(key, hit)
+    return TensorDataset(torch.from_numpy(hit["x"].copy()), torch.from_numpy(hit["y"].copy()))
 
 
 def _digits_key(what: str, seed: int, *arguments: object) -> dict[str, object]:
@@ -448,11 +547,12 @@ def _partition_loader(
     params: tuple[float | int, ...],
     seed: int,
     data_dir: str | None,
+    validation_fraction: float = 0.0,
 ) -> Callable[[int], datasets.Dataset]:
     """Build (once per configuration) the function that returns one partition as a Hugging Face dataset."""
     load: Callable[[int], datasets.Dataset]
     if name == "digits":
-        train, _ = _digits_splits(seed)
+        train, _, _ = _digits_splits(seed, validation_fraction)
         part = _make_partitioner(partitioner, num_partitions, params, train.num_rows, seed)
         part.dataset = train
         load = part.load_partition
@@ -506,7 +606,7 @@ def _test_tensors(name: str, seed: int, data_dir: str | None) -> tuple[torch.Ten
         key = _digits_key("test", seed)
         hit = array_cache.load(key)
         if hit is None:
-            _, (x, y) = _digits_splits(seed)
+            _, (x, y), _ = _digits_splits(seed)
             hit = {"x": x, "y": y}
             array_cache.store(key, hit)
         return torch.from_numpy(hit["x"].copy()), torch.from_numpy(hit["y"].copy())

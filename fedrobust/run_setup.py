@@ -178,6 +178,14 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
 def _check_dataset(cfg: RunConfig, problems: list[str]) -> data.DatasetSpec | None:
     """The configured data set's spec, or None (with its problem) when it cannot be had."""
     target = cfg.dataset._target_
+    fraction = cfg.dataset.validation_fraction
+    if not 0 <= fraction < 1:  # also catches NaN
+        _problem(problems, "dataset.validation_fraction", fraction,
+                 "must be in [0, 1): the share of the training set held out for validation (0: none)")
+    elif fraction > 0 and not target and cfg.dataset.name in data.DATASETS and cfg.dataset.name != "digits":
+        _problem(problems, "dataset.validation_fraction", fraction,
+                 f"a validation hold-out is built for dataset.name=digits and dataset._target_ loaders, not for "
+                 f"dataset.name={cfg.dataset.name}; set it to 0")
     if not target:
         if cfg.dataset.params:  # built-in data sets take none: they would be ignored
             _problem(problems, "dataset.params", cfg.dataset.params,

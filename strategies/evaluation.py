@@ -7,6 +7,7 @@ Model and test set are components (:mod:`fedrobust.components`): built-ins by na
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -18,6 +19,8 @@ from fedrobust import attacks, components, training
 from fedrobust.attacks.backdoor import Backdoor
 from fedrobust.config import PartitionConfig, RunConfig
 from fedrobust.strategies.robust_strategy import ServerUpdateFn
+
+logger = logging.getLogger(__name__)
 
 
 def build_global_model(cfg: RunConfig) -> torch.nn.Module:
@@ -34,14 +37,22 @@ def initial_arrays(cfg: RunConfig) -> ArrayRecord:
 
 
 def central_evaluate_fn(cfg: RunConfig) -> Callable[[int, ArrayRecord], MetricRecord]:
-    """``evaluate_fn(server_round, arrays)`` for ``strategy.start()``: loss and accuracy on the test set.
+    """``evaluate_fn(server_round, arrays)`` for ``strategy.start()``: loss and accuracy on the test set (on
+    the validation hold-out instead when ``dataset.validation_fraction`` > 0).
 
     Under the ``backdoor`` attack also ``backdoor_asr``, the attack success rate: the accuracy on the
     test inputs of the other classes, stamped with the attack's trigger and labelled with its target
     (:meth:`fedrobust.attacks.backdoor.Backdoor.triggered_test_set`), i.e. the fraction of them the model
     classifies as the target. Clean ``accuracy`` is measured on the unchanged test set as always.
     """
-    test_set = components.load_test_set(cfg)
+    test_set = components.load_evaluation_set(cfg)
+    if cfg.dataset.validation_fraction > 0:
+        logger.info(
+            "central evaluation on the validation hold-out: %d samples (dataset.validation_fraction=%s), "
+            "which no client trains on; the test set is not used",
+            len(test_set),
+            cfg.dataset.validation_fraction,
+        )
     model = build_global_model(cfg)
     device = training.pick_device("auto")
     triggered = None

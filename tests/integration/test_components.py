@@ -105,6 +105,31 @@ def test_user_components_validate_build_and_partition(on_path: Path) -> None:
     assert agg.min_n() == 3 and agg(torch.randn(5, 7)).shape == (7,)
 
 
+def _row_set(ds: torch.utils.data.TensorDataset) -> set[tuple[float, ...]]:
+    x, y = ds.tensors
+    return {(*row, float(label)) for row, label in zip(x.tolist(), y.tolist(), strict=True)}
+
+
+@pytest.mark.parametrize("dataset", [{}, {"dataset._target_": ""}], ids=["user loader", "digits"])
+def test_validation_hold_out_is_what_the_server_evaluates_on_and_no_client_holds(
+    on_path: Path, dataset: dict[str, str]
+) -> None:
+    cfg = validate(from_flat(_targets(**{"dataset.validation_fraction": 0.25, "partition.name": "dirichlet"},
+                                      **dataset)))
+    held = components.load_validation_set(cfg)
+    parts = [components.load_partition(cfg, i, 5) for i in range(5)]
+    whole = components.load_partition(from_flat(_targets(**dataset)), 0, 1)  # no hold-out: the training set
+    assert abs(len(held) - 0.25 * len(whole)) <= 10  # per class round(0.25 * count)
+    assert sum(len(p) for p in parts) + len(held) == len(whole)
+    union = set().union(*(_row_set(p) for p in parts))
+    assert not union & _row_set(held) and union | _row_set(held) == _row_set(whole)
+    # The server evaluates on the hold-out; the test set is used only without one.
+    assert torch.equal(components.load_evaluation_set(cfg).tensors[1], held.tensors[1])
+    no_holdout = from_flat(_targets(**dataset))
+    assert torch.equal(components.load_evaluation_set(no_holdout).tensors[1],
+                       components.load_test_set(no_holdout).tensors[1])
+
+
 def test_hugging_face_dataset_protocol(on_path: Path) -> None:
     cfg = validate(from_flat(_targets(**{"dataset._target_": f"{MODULE}.hf_load", "seed": 3})))
     torch_cfg = from_flat(_targets(seed=3))

@@ -66,6 +66,7 @@ WRONG: dict[str, Wrong] = {
     "dataset.name": Wrong("mnsit", "mnsit", "unknown choice; valid choices: cifar10, digits, mnist"),
     "dataset._target_": Wrong("no_such_pkg.load", "no_such_pkg.load", "cannot import 'no_such_pkg.load'"),
     "dataset.params": Wrong("{fraction:0.5}", '{"fraction": 0.5}', "dataset.name=digits takes no parameters"),
+    "dataset.validation_fraction": Wrong("1.0", "1.0", "must be in [0, 1): the share of the training set held out"),
     "partition.name": Wrong("dirichlett", "dirichlett", "unknown choice; valid choices: dirichlet, iid, pathological"),
     "partition.alpha": Wrong("0.0", "0.0", "must be > 0"),
     "partition.classes_per_partition": Wrong("11", "11", "must be in [1, 10] (digits has 10 classes)"),

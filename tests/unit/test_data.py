@@ -92,6 +92,48 @@ def test_iid_partitions_and_test_set_cover_digits_without_overlap() -> None:
     np.testing.assert_array_equal(_rows(*parts, test), _rows(full))
 
 
+def test_validation_hold_out_is_a_stratified_share_of_the_training_split_no_partition_holds() -> None:
+    parts = [data.load_partition("digits", i, 20, partitioner="dirichlet", seed=3, validation_fraction=0.2)
+             for i in range(20)]
+    validation = data.load_validation_set("digits", fraction=0.2, seed=3)
+    whole_train = data.load_partition("digits", 0, 1, seed=3)
+    assert len(whole_train) == NUM_DIGITS_TRAIN
+    # round(0.2 * count) of every class: 287 of the 1,437 training samples.
+    counts = np.bincount(whole_train.tensors[1].numpy(), minlength=10)
+    np.testing.assert_array_equal(
+        np.bincount(validation.tensors[1].numpy(), minlength=10), np.round(0.2 * counts).astype(int)
+    )
+    # Every training sample is in exactly one partition or the hold-out.
+    np.testing.assert_array_equal(_rows(*parts, validation), _rows(whole_train))
+    assert not np.array_equal(_rows(validation), _rows(data.load_validation_set("digits", fraction=0.2, seed=4)))
+
+
+def test_holdout_split_is_seeded_stratified_and_complete() -> None:
+    labels = np.repeat(np.arange(3), [10, 20, 31])
+    kept, held = data.holdout_split(labels, 0.3, seed=7)
+    np.testing.assert_array_equal(np.sort(np.concatenate([kept, held])), np.arange(len(labels)))
+    np.testing.assert_array_equal(np.bincount(labels[held]), [3, 6, 9])
+    again = data.holdout_split(labels, 0.3, seed=7)
+    np.testing.assert_array_equal(held, again[1])
+    assert not np.array_equal(held, data.holdout_split(labels, 0.3, seed=8)[1])
+    kept, held = data.holdout_split(labels, 0.0, seed=7)
+    assert len(held) == 0 and len(kept) == len(labels)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: data.holdout_split(np.zeros(4, dtype=int), 1.0, seed=0), r"must be in \[0, 1\), got 1.0"),
+        (lambda: data.load_partition("digits", 0, 2, validation_fraction=-0.1), r"must be in \[0, 1\)"),
+        (lambda: data.load_partition("mnist", 0, 2, validation_fraction=0.1), "built for digits"),
+        (lambda: data.load_validation_set("digits", fraction=0.0), "nothing is held out"),
+    ],
+)
+def test_invalid_validation_fraction_is_explained(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
 def test_test_set_is_stratified() -> None:
     hist = _label_histogram(data.load_test_set("digits", seed=0))
     np.testing.assert_allclose(hist, 0.1, atol=0.01)
