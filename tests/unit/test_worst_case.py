@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from experiments import worst_case
-
-
-def _run(partition: str, rule: str, attack: str, seed: int, acc: float, *, status: str = "ok",
-         asr: float | None = None) -> dict[str, Any]:
-    row: dict[str, Any] = {"round": 15, "accuracy": acc}
-    if asr is not None:
-        row["backdoor_asr"] = asr
-    return {"partition": partition, "rule": rule, "attack": attack, "seed": seed, "status": status,
-            "rows": [row] if status == "ok" else [], "num_clients": 20, "num_byzantine": 4, "num_rounds": 15}
-
-
-def _write(directory: Path, runs: list[dict[str, Any]], extra: list[str] | None = None) -> Path:
-    directory.mkdir(parents=True)
-    for r in runs:
-        (directory / f"{r['partition']}__{r['rule']}__{r['attack']}__s{r['seed']}.json").write_text(json.dumps(r))
-    (directory / "study.json").write_text(json.dumps({"command": "python -m experiments.study ...",
-                                                      "settings": {"extra": extra or []}}))
-    return directory
+from tests.support.study_results import study_run as _run
+from tests.support.study_results import write_sweep as _write
 
 
 def _study(tmp_path: Path) -> list[Path]:

@@ -1,0 +1,169 @@
+"""Hyper-parameters of one fixed configuration, picked on the validation hold-out by its worst case.
+
+    python -m experiments.tune --out DIR --setting base= --setting "client_lr_0.1=client.lr=0.1" \\
+        --setting "server_lr_1.5=server_optimizer.lr=1.5" [--rule winsorize+nnm+trimmed_mean] [--seeds 0 1]
+
+Each setting (a name and Hydra overrides) runs, through the study (``experiments/study.py``, resumable:
+results already in DIR are kept), clean FedAvg and the rule under the whole attack set, on the same
+clients as the study, with ``dataset.validation_fraction`` (default 0.2): every client trains without the
+held-out samples and the server evaluates on them, so the test set is never seen while choosing.
+
+The choice uses the same measure as the default's (:mod:`experiments.worst_case`): each setting is scored as
+a rule, ``RULE @ setting``, by its worst gap over the attacks and its backdoor success rate, each against its
+goal. The gaps are taken to one reference, clean FedAvg at its best validation accuracy over the settings
+(FedAvg is tuned too, as in ByzFL's protocol), so a setting that only slows clean training down does not
+look robust. The base setting is kept unless another beats it beyond the seeds' noise
+(:func:`experiments.worst_case.choose`). The chosen setting's test figures come from a plain study run with
+its overrides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments import study, worst_case
+from fedrobust.config import AggregatorConfig
+
+# Everything built that validation alone cannot reject (as the default was chosen, docs/results.md), plus
+# sign flip at scale 4, which runs as a sweep of its own.
+ATTACKS = (
+    "label_flip", "backdoor", "sign_flip", "mimic", "min_max", "min_sum", "fang_krum", "fang_trimmed_mean",
+    "optimal_alie", "optimal_ipm",
+)
+SIGN_FLIP_X4 = ("sign_flip", "attack.params.scale=4")
+BASE = "base"
+
+
+def parse_setting(text: str) -> tuple[str, list[str]]:
+    """``name=key=value key=value`` -> (name, overrides); ``base=`` is the configuration as it is."""
+    name, sep, overrides = text.partition("=")
+    # A name with a dot is an override typed without a name ("client.lr=0.1"); every override is KEY=VALUE.
+    if not sep or not name or any(c in name for c in "/.") or "__" in name or any(
+        "=" not in o for o in overrides.split()
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME=OVERRIDES, e.g. 'client_lr_0.1=client.lr=0.1' or 'base=' (a NAME without "
+            "'/' or '__')"
+        )
+    return name, overrides.split()
+
+
+def sweep_dirs(out: Path, name: str) -> tuple[Path, Path]:
+    """Where one setting's results go: its main sweep and its sign-flip x4 sweep."""
+    return out / name, out / f"{name}__sign_flip_x4"
+
+
+def run_setting(
+    name: str, overrides: list[str], *, rule: str, out: Path, validation_fraction: float, **study_args: Any
+) -> None:
+    """The study runs of one setting that are not in ``out`` yet."""
+    extra = [f"dataset.validation_fraction={validation_fraction}", *overrides]
+    main, x4 = sweep_dirs(out, name)
+    study.run_study(rules=["mean"], attacks=["none"], extra=extra, out=main, **study_args)
+    study.run_study(rules=[rule], attacks=list(ATTACKS), extra=extra, out=main, **study_args)
+    study.run_study(rules=[rule], attacks=[SIGN_FLIP_X4[0]], extra=[*extra, SIGN_FLIP_X4[1]], out=x4, **study_args)
+
+
+def selection_table(out: Path, names: Sequence[str], rule: str) -> tuple[dict, dict[str, str]]:
+    """One worst-case table over every setting: ``RULE @ name`` per setting, and the best clean FedAvg.
+
+    Returns the table (:func:`experiments.worst_case.cells` keys) and, per partition, which setting's
+    FedAvg is the reference.
+    """
+    table: dict[tuple[str, str, str], worst_case.Cell] = {}
+    clean: dict[str, tuple[worst_case.Cell, str]] = {}
+    for name in names:
+        main, x4 = sweep_dirs(out, name)
+        results = study.load_results(main) + [
+            r | {"attack": "sign_flip (scale=4)"} for r in study.load_results(x4)
+        ]
+        for (partition, r, attack), cell in worst_case.cells(results).items():
+            if r == worst_case.CLEAN_RULE and attack == worst_case.CLEAN_ATTACK:
+                if partition not in clean or cell.accuracy > clean[partition][0].accuracy:
+                    clean[partition] = (cell, name)
+            elif r == rule:
+                table[(partition, f"{rule} @ {name}", attack)] = cell
+    for partition, (cell, _) in clean.items():
+        table[(partition, worst_case.CLEAN_RULE, worst_case.CLEAN_ATTACK)] = cell
+    return table, {p: name for p, (_, name) in clean.items()}
+
+
+def report(out: Path, settings: dict[str, list[str]], rule: str) -> str:
+    """The selection as Markdown: every setting's worst case on validation data, best first, and the choice."""
+    table, reference = selection_table(out, list(settings), rule)
+    cases = worst_case.worst_cases(table)
+    chosen, why = worst_case.choose(cases, f"{rule} @ {BASE}" if BASE in settings else cases[0].rule)
+    partitions = [p for p in study.PARTITIONS if p in reference]
+    lines = [
+        f"Validation hold-out, `{rule}`: worst gap to clean FedAvg (points; at its best setting: "
+        + ", ".join(f"{p} {reference[p]}" for p in partitions) + ") and backdoor ASR.",
+        "",
+        "| setting | overrides | " + " | ".join(f"{p} worst gap (attack) | {p} ASR" for p in partitions)
+        + " | score |",
+        "|---|---|" + "---:|---:|" * len(partitions) + "---:|",
+    ]
+    for case in cases:
+        name = case.rule.split(" @ ", 1)[1]
+        cols = []
+        for p in partitions:
+            gap, attack = case.gap.get(p, (math.nan, "-"))
+            asr = case.asr.get(p, math.nan)
+            cols += [f"{100 * gap:.1f} ({attack})", "–" if math.isnan(asr) else f"{asr:.3f}"]
+        missing = sum(len(m) for m in case.missing.values())
+        score = f"{case.score:.2f} ± {case.score_sem:.2f}" + (f" ({missing} runs missing)" if missing else "")
+        lines.append(f"| {name} | `{' '.join(settings[name]) or '-'}` | " + " | ".join(cols) + f" | {score} |")
+    lines += ["", f"Chosen: **{chosen.rule.split(' @ ', 1)[1]}** ({why})."]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.tune",
+        description="Pick a configuration's hyper-parameters on the validation hold-out by the worst case over "
+        "the attack set.",
+    )
+    parser.add_argument("--setting", dest="settings", action="append", type=parse_setting, required=True,
+                        metavar="NAME=OVERRIDES", help="a candidate: a name and Hydra overrides ('base=': as is)")
+    parser.add_argument("--rule", default=AggregatorConfig().name, help="the configuration (default: %(default)s)")
+    parser.add_argument("--validation-fraction", type=float, default=0.2,
+                        help="dataset.validation_fraction of every run (default: %(default)s)")
+    parser.add_argument("--partitions", nargs="+", default=list(study.PARTITIONS), choices=study.PARTITIONS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--rounds", type=int, default=study.DEFAULT_ROUNDS)
+    parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default: %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="results directory (existing results are kept)")
+    parser.add_argument("--report-only", action="store_true", help="run nothing; select from the results in --out")
+    args = parser.parse_args(argv)
+    if not 0 < args.validation_fraction < 1:
+        parser.error(f"--validation-fraction must be in (0, 1), got {args.validation_fraction}")
+    names = [name for name, _ in args.settings]
+    if len(set(names)) != len(names):
+        parser.error(f"setting names must differ: {names}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(args_list)
+    settings = dict(args.settings)
+    if not args.report_only:
+        study._worker_init()
+        command = shlex.join(["python", "-m", "experiments.tune", *args_list])
+        for name, overrides in settings.items():
+            run_setting(
+                name, overrides, rule=args.rule, out=args.out, validation_fraction=args.validation_fraction,
+                partitions=args.partitions, seeds=args.seeds, rounds=args.rounds, jobs=args.jobs, command=command,
+            )
+    text = report(args.out, settings, args.rule)
+    (args.out / "selection.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
