@@ -43,13 +43,11 @@ BASE = "base"
 def parse_setting(text: str) -> tuple[str, list[str]]:
     """``name=key=value key=value`` -> (name, overrides); ``base=`` is the configuration as it is."""
     name, sep, overrides = text.partition("=")
-    # A name with a dot is an override typed without a name ("client.lr=0.1"); every override is KEY=VALUE.
-    if not sep or not name or any(c in name for c in "/.") or "__" in name or any(
-        "=" not in o for o in overrides.split()
-    ):
+    # Every override is KEY=VALUE: "client.lr=0.1" alone (no name) leaves "0.1" and is refused.
+    if not sep or not name or "/" in name or "__" in name or any("=" not in o for o in overrides.split()):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected NAME=OVERRIDES, e.g. 'client_lr_0.1=client.lr=0.1' or 'base=' (a NAME without "
-            "'/' or '__')"
+            f"{text!r}: expected NAME=OVERRIDES, each override KEY=VALUE, e.g. 'client_lr_0.1=client.lr=0.1' or "
+            "'base=' (a NAME without '/' or '__')"
         )
     return name, overrides.split()
 

@@ -60,6 +60,7 @@ def test_a_setting_without_a_plain_name_is_refused_with_the_expected_form(text: 
 
 def test_parse_setting_splits_name_and_overrides() -> None:
     assert tune.parse_setting("base=") == ("base", [])
+    assert tune.parse_setting("lr_0.1=client.lr=0.1") == ("lr_0.1", ["client.lr=0.1"])
     assert tune.parse_setting("fast=client.lr=0.5 server_optimizer.lr=1.5") == (
         "fast", ["client.lr=0.5", "server_optimizer.lr=1.5"]
     )
