@@ -36,7 +36,7 @@ ATTACKS = (
     "label_flip", "backdoor", "sign_flip", "mimic", "min_max", "min_sum", "fang_krum", "fang_trimmed_mean",
     "optimal_alie", "optimal_ipm",
 )
-SIGN_FLIP_X4 = ("sign_flip", "attack.params.scale=4")
+SIGN_FLIP_X4 = ("sign_flip", "+attack.params.scale=4.0")  # sign_flip.yaml declares no params: "+" adds it
 BASE = "base"
 
 
