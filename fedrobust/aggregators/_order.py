@@ -75,7 +75,7 @@ def _run(
     kernels = numba_kernels(rows.device)
     if kernels is None:
         finite = torch.ones((), dtype=torch.bool, device=rows.device)
-        for start, stop, y in rows.chunks(dtype):
+        for start, stop, y in rows.chunks(dtype, reuse=True):
             finite &= torch.isfinite(y).all()
             out[start:stop] = torch_fn(y)
         return out if bool(finite) else None
@@ -96,7 +96,7 @@ def _run(
             )
     else:
         index_np = np.arange(rows.m, dtype=np.int64)
-        for start, stop, y in rows.chunks(dtype):
+        for start, stop, y in rows.chunks(dtype, reuse=True):
             flat, row_stride = flat_rows(y.contiguous())
             all_finite &= kernels.launch(
                 kernel, flat, row_stride, 0, out_np[start:stop], index_np, comp_a, comp_b, *params, block

@@ -182,7 +182,7 @@ class CoordinateWinsorizing(PreAggregator):
             clamped.validated = True  # the order statistics above passed over every value
             return Rows(clamped)
         out = torch.empty((m, rows.d), dtype=rows.dtype, device=rows.device)
-        for start, stop, chunk in rows.chunks():
+        for start, stop, chunk in rows.chunks(reuse=True):
             torch.clamp(chunk, bounds[0, start:stop], bounds[1, start:stop], out=out[:, start:stop])
         clamped = Basis(out, extras=base.extras, augmented=base.augmented, chunk_size=base.chunk_size,
                         owner=base.owner, f=base.f)

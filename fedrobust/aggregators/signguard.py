@@ -94,7 +94,7 @@ class SignGuard(ZeroExtra, Rule):
         """2-means labels of the rows' (positive, negative, zero) coordinate fractions."""
         positive = torch.zeros(rows.m, dtype=torch.int64, device=rows.device)
         negative = torch.zeros_like(positive)
-        for _, _, chunk in rows.chunks():
+        for _, _, chunk in rows.chunks(reuse=True):
             positive += (chunk > 0).sum(dim=1)
             negative += (chunk < 0).sum(dim=1)
         features = torch.stack([positive, negative, rows.d - positive - negative], dim=1).to(torch.float64) / rows.d

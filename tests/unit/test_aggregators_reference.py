@@ -398,3 +398,23 @@ def test_selection_is_unchanged_by_a_constant_offset(name, pre, seed):
         # Only rounding of the shifted inputs' mean remains (ulp(1e4) ~ 1e-3); a different
         # selection would move some coordinate by >= 1/16 / 9.
         torch.testing.assert_close(shifted, base, rtol=0, atol=4e-3)
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["plain", "winsorized"])
+def test_reused_chunks_hold_the_same_values_in_one_storage(bounded: bool) -> None:
+    """A pass's chunks with ``reuse``: the values of fresh chunks, written into one storage (no page
+    faults per chunk), for mixed rows read through winsorizing bounds too."""
+    x = torch.randn(12, 3000)
+    bounds = torch.stack([torch.full((3000,), -0.5), torch.full((3000,), 0.7)]) if bounded else None
+    rows = Rows(Basis(x, chunk_size=700, bounds=bounds, owner="test", f=2), mix=torch.rand(12, 12))
+    fresh = [(start, stop, chunk.clone()) for start, stop, chunk in rows.chunks()]
+    reused, held = [], []
+    for start, stop, chunk in rows.chunks(reuse=True):
+        held.append(chunk)  # kept alive: fresh chunks could not share an address
+        reused.append((start, stop, chunk.clone()))
+    assert [(a, b) for a, b, _ in reused] == [(a, b) for a, b, _ in fresh] and len(fresh) == 5
+    for (_, _, want), (_, _, got) in zip(fresh, reused, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len({chunk.untyped_storage().data_ptr() for chunk in held}) == 1
+    expected = (rows.mix @ (x.clamp(bounds[0], bounds[1]) if bounded else x))
+    torch.testing.assert_close(torch.cat([c for _, _, c in fresh], dim=1), expected)
