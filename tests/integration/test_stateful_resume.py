@@ -2,16 +2,14 @@
 
 The ``stale`` attack keeps the update it captured in round 1 in its node's context and replays it
 in every later round; a resumed run that lost that memory captures anew and ends with other bytes.
-In-process: a stop after round 2 and a resume. With real processes (slow): the Hydra entry point
-killed with SIGKILL (the whole process group, Ray included) at a random moment after round 2.
+In-process: a stop after round 2 and a resume. With real processes, these clients go through
+tests/process/test_fault_processes.py's sequence (SIGTERM, SIGKILL of the whole process group at a
+random moment, a corrupted newest checkpoint) and end with the uninterrupted run's bytes.
 """
 
 from __future__ import annotations
 
 import json
-import random
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -23,20 +21,9 @@ from experiments.inprocess import run_inprocess
 from fedrobust import Preempted
 from fedrobust.clients.client_app import make_client_app
 from fedrobust.strategies import client_state
-from tests.support.hydra_runs import (
-    committed,
-    finish,
-    hydra_command,
-    kill_tree,
-    rounds_on_disk,
-    start,
-    uninterrupted_final_bytes,
-    wait_for,
-)
 from tests.support.simulation import small_config
 
 STALE = {"attack.name": "stale", "num_byzantine": 2, "aggregator.name": "mean", "num_rounds": 4}
-ROUNDS = 5
 
 
 def _client(cfg, at_round: int, before_train) -> ClientApp:
@@ -121,25 +108,3 @@ def test_stateful_clients_resume_in_process_to_identical_bytes(tmp_path: Path) -
         )
     run_inprocess(lost, tmp_path / "lost", client_app=_client(lost, 3, _forget))  # as a restarted simulation's nodes
     assert _final(tmp_path / "lost") != expected
-
-
-@pytest.mark.slow
-def test_stateful_clients_resume_after_kill9_of_the_process_group_to_identical_bytes(tmp_path: Path) -> None:
-    stale = ("attack=stale", "num_byzantine=2", "aggregator=mean", "server_optimizer=fedadam")
-    # The uninterrupted reference, in this process (the same ServerApp loop and ClientApp, without Ray).
-    expected = uninterrupted_final_bytes(tmp_path / "ref", *stale, rounds=ROUNDS)
-
-    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
-    first = start(hydra_command(run_dir, ckpt, *stale, rounds=ROUNDS), tmp_path / "first.log")
-    wait_for(first, "[round   2/")
-    time.sleep(random.uniform(0.0, 0.5))  # anywhere in round 3, possibly while round 2's checkpoint is written
-    kill_tree(first)
-    assert finish(first) == -signal.SIGKILL
-    killed_after = max(rounds_on_disk(ckpt))  # a write cut short leaves a temporary directory, never a round
-    assert killed_after >= 1
-
-    second = start(hydra_command(run_dir, ckpt, *stale, rounds=ROUNDS), tmp_path / "second.log")
-    assert finish(second) == 0, second.tail()
-    assert f"resumed after round {killed_after}" in second.log_path.read_text()
-    assert (run_dir / "final_model.safetensors").read_bytes() == expected
-    assert committed(ckpt) == ROUNDS  # the dead writer's leftovers were cleaned up

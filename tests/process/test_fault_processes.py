@@ -5,8 +5,11 @@ loop and ClientApp, without Ray: tests/support/hydra_runs.py), while a run of it
 SIGTERM (it must checkpoint and exit 75), resumed and then killed with SIGKILL at a random
 moment (possibly while a checkpoint is being written); its newest checkpoint is then
 corrupted, and a last resume must fall back to the previous checkpoint and still end
-with final model bytes identical to the reference run's. A simulated client whose process dies
-inside its ClientApp (os._exit) is a dropped reply; the round completes.
+with final model bytes identical to the reference run's. The run carries state beyond the model in
+both places: the server's FedAdam moments, and its clients' own memory (the ``stale`` attack keeps the
+update it captured in round 1 in its node's ``Context.state`` and replays it; a resume that lost it
+would capture anew and end with other bytes: tests/integration/test_stateful_resume.py). A simulated
+client whose process dies inside its ClientApp (os._exit) is a dropped reply; the round completes.
 
 The helpers (the Hydra command, starting it in a session of its own, waiting for a log line,
 checking the checkpoints on disk) are in tests/support/hydra_runs.py.
@@ -29,6 +32,7 @@ from experiments.simulate import backend_config
 from fedrobust.strategies.errors import EXIT_PREEMPTED
 from fedrobust.strategies.server_app import make_server_app
 from tests.support.hydra_runs import (
+    ROUNDS,
     committed,
     finish,
     hydra_command,
@@ -42,13 +46,16 @@ from tests.support.simulation import read_rows, small_config, tampering_client
 
 pytestmark = pytest.mark.slow
 
+# Stateful clients (the stale attack's memory) and a stateful server optimizer.
+STATEFUL = ("attack=stale", "num_byzantine=2", "aggregator=mean", "server_optimizer=fedadam")
+
 
 def test_sigterm_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_path: Path) -> None:
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     with ThreadPoolExecutor(1) as pool:  # the reference trains in this process while the first run starts Ray
-        reference = pool.submit(uninterrupted_final_bytes, tmp_path / "ref")
+        reference = pool.submit(uninterrupted_final_bytes, tmp_path / "ref", *STATEFUL)
         # 1. Preemption: SIGTERM after round 2 -> checkpoint written, exit code 75.
-        first = start(hydra_command(run_dir, ckpt), tmp_path / "first.log")
+        first = start(hydra_command(run_dir, ckpt, *STATEFUL), tmp_path / "first.log")
         wait_for(first, "[round   2/")
         first.popen.send_signal(signal.SIGTERM)
         assert finish(first) == EXIT_PREEMPTED, first.tail()
@@ -57,7 +64,7 @@ def test_sigterm_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_
         assert stopped_at >= 2
 
         # 2. Resume, then kill -9 the whole process tree at a random moment after round 4 began.
-        second = start(hydra_command(run_dir, ckpt), tmp_path / "second.log")
+        second = start(hydra_command(run_dir, ckpt, *STATEFUL), tmp_path / "second.log")
         wait_for(second, f"resumed after round {stopped_at}")
         wait_for(second, f"[round   {stopped_at + 1}/")
         time.sleep(random.uniform(0.0, 1.5))
@@ -71,11 +78,12 @@ def test_sigterm_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_
         data = bytearray(newest.read_bytes())
         data[len(data) // 2] ^= 0xFF
         newest.write_bytes(bytes(data))
-        third = start(hydra_command(run_dir, ckpt), tmp_path / "third.log")
+        third = start(hydra_command(run_dir, ckpt, *STATEFUL), tmp_path / "third.log")
         assert finish(third) == 0, third.tail()
         log = third.log_path.read_text()
         assert "resumed after round" in log and f"resumed after round {max(kept)}" not in log
         assert (run_dir / "final_model.safetensors").read_bytes() == reference.result()
+        assert committed(ckpt) == ROUNDS  # the killed writer's leftovers were cleaned up
 
 
 def test_a_client_process_dying_inside_the_clientapp_counts_as_dropped_and_the_run_completes(tmp_path: Path) -> None:
