@@ -1,15 +1,30 @@
 """Faults of real processes: the server's (signals, kill -9, corrupted checkpoints) and a client's.
 
 The reference is the same experiment run uninterrupted in the test's own process (the same ServerApp
-loop and ClientApp, without Ray: tests/support/hydra_runs.py), while a run of it is stopped with
-SIGTERM (it must checkpoint and exit 75), resumed and then killed with SIGKILL at a random
-moment (possibly while a checkpoint is being written); its newest checkpoint is then
-corrupted, and a last resume must fall back to the previous checkpoint and still end
-with final model bytes identical to the reference run's. The run carries state beyond the model in
-both places: the server's FedAdam moments, and its clients' own memory (the ``stale`` attack keeps the
-update it captured in round 1 in its node's ``Context.state`` and replays it; a resume that lost it
-would capture anew and end with other bytes: tests/integration/test_stateful_resume.py). A simulated
-client whose process dies inside its ClientApp (os._exit) is a dropped reply; the round completes.
+loop and ClientApp, without Ray: tests/support/hydra_runs.py). A run of it goes through every way a
+server is stopped, each stop followed by a resume of the same command:
+
+1. SIGINT to its whole process group while it trains (Ctrl-C in a terminal; Ray's workers die too):
+   it writes a checkpoint of the last completed round and exits 75.
+2. SIGTERM to the group (how Slurm's scancel, preemption and most supervisors stop a job), sent again
+   every 2 ms until the stop's checkpoint is on disk, so that signals land while it is written:
+   checkpoint, exit 75. The stop can take under 20 ms (round abandoned and checkpoint written in 18 ms
+   in a CI run), so a slower repeat may send only one. Steps 1 and 2 checkpoint only when stopped
+   (``checkpoint.every_rounds=0``), so each of their checkpoints was written by the stop.
+3. SIGTERM to the main process alone: checkpoint, exit 75.
+4. SIGKILL to the whole process tree at a random moment, possibly while a round's checkpoint is written
+   (from here on a checkpoint after every round); the newest checkpoint is then corrupted.
+5. The last resume must detect that, fall back to the checkpoint before it and still end with final
+   model bytes identical to the reference run's, with no leftovers of the killed writer.
+
+The run carries state beyond the model: the server's FedAdam moments, and its clients' own memory (the
+``stale`` attack keeps the update it captured in round 1 in its node's ``Context.state`` and replays it;
+a resume that lost it would capture anew and end with other bytes:
+tests/integration/test_stateful_resume.py). A simulated client whose process dies inside its ClientApp
+(os._exit) is a dropped reply; the round completes.
+
+Not covered, and documented: Ray's own shutdown, after the checkpoint is on disk, restores the default
+SIGTERM action for a moment; a SIGTERM in that moment ends the process with -15 (143) instead of 75.
 
 The helpers (the Hydra command, starting it in a session of its own, waiting for a log line,
 checking the checkpoints on disk) are in tests/support/hydra_runs.py.
@@ -31,8 +46,8 @@ from flwr.simulation import run_simulation
 from experiments.simulate import backend_config
 from fedrobust.strategies.errors import EXIT_PREEMPTED
 from fedrobust.strategies.server_app import make_server_app
+from tests.support.flower_processes import Proc
 from tests.support.hydra_runs import (
-    ROUNDS,
     committed,
     finish,
     hydra_command,
@@ -48,39 +63,71 @@ pytestmark = pytest.mark.slow
 
 # Stateful clients (the stale attack's memory) and a stateful server optimizer.
 STATEFUL = ("attack=stale", "num_byzantine=2", "aggregator=mean", "server_optimizer=fedadam")
+# Three stops, each after at least one more round, then a random kill with at least three rounds left
+# to land in (a round completed in the moment before a stop moves the later steps one round on).
+ROUNDS = 10
+ON_STOP_ONLY = "checkpoint.every_rounds=0"
 
 
-def test_sigterm_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_path: Path) -> None:
+def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_path: Path) -> None:
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+
+    def run(name: str, *overrides: str) -> Proc:
+        return start(hydra_command(run_dir, ckpt, *STATEFUL, *overrides, rounds=ROUNDS), tmp_path / f"{name}.log")
+
     with ThreadPoolExecutor(1) as pool:  # the reference trains in this process while the first run starts Ray
-        reference = pool.submit(uninterrupted_final_bytes, tmp_path / "ref", *STATEFUL)
-        # 1. Preemption: SIGTERM after round 2 -> checkpoint written, exit code 75.
-        first = start(hydra_command(run_dir, ckpt, *STATEFUL), tmp_path / "first.log")
+        reference = pool.submit(uninterrupted_final_bytes, tmp_path / "ref", *STATEFUL, rounds=ROUNDS)
+
+        # 1. SIGINT to the process group while round 3 trains.
+        first = run("first", ON_STOP_ONLY)
         wait_for(first, "[round   2/")
-        first.popen.send_signal(signal.SIGTERM)
+        os.killpg(first.pid, signal.SIGINT)
         assert finish(first) == EXIT_PREEMPTED, first.tail()
         assert "checkpoint written" in first.log_path.read_text()
         stopped_at = committed(ckpt)
         assert stopped_at >= 2
 
-        # 2. Resume, then kill -9 the whole process tree at a random moment after round 4 began.
-        second = start(hydra_command(run_dir, ckpt, *STATEFUL), tmp_path / "second.log")
+        # 2. SIGTERM to the group after the next round, again every 2 ms until the stop's checkpoint is on disk.
+        second = run("second", ON_STOP_ONLY)
         wait_for(second, f"resumed after round {stopped_at}")
         wait_for(second, f"[round   {stopped_at + 1}/")
+        while "is on disk" not in second.log_path.read_text(errors="replace") and second.alive():
+            os.killpg(second.pid, signal.SIGTERM)
+            time.sleep(0.002)
+        assert finish(second) == EXIT_PREEMPTED, second.tail()
+        log = second.log_path.read_text()
+        assert "checkpoint written" in log and log.count("received SIGTERM") >= 2, second.tail()
+        resumed_at = committed(ckpt)
+        assert stopped_at < resumed_at < ROUNDS
+
+        # 3. SIGTERM to the main process alone, after the next round.
+        third = run("third")
+        wait_for(third, f"resumed after round {resumed_at}")
+        wait_for(third, f"[round   {resumed_at + 1}/")
+        third.popen.send_signal(signal.SIGTERM)
+        assert finish(third) == EXIT_PREEMPTED, third.tail()
+        assert "checkpoint written" in third.log_path.read_text()
+        stopped_at = committed(ckpt)
+        assert resumed_at < stopped_at < ROUNDS - 3
+
+        # 4. Resume, then kill -9 the whole process tree at a random moment after the next round.
+        fourth = run("fourth")
+        wait_for(fourth, f"resumed after round {stopped_at}")
+        wait_for(fourth, f"[round   {stopped_at + 1}/")
         time.sleep(random.uniform(0.0, 1.5))
-        kill_tree(second)
-        assert finish(second) == -signal.SIGKILL
+        kill_tree(fourth)
+        assert finish(fourth) == -signal.SIGKILL
         kept = rounds_on_disk(ckpt)
         assert kept and max(kept) > stopped_at
 
-        # 3. Corrupt the newest checkpoint: the resume must detect it and use the one before.
+        # 5. Corrupt the newest checkpoint: the resume must detect it and use the one before.
         newest = ckpt / f"round-{max(kept):06d}" / "tensors.safetensors"
         data = bytearray(newest.read_bytes())
         data[len(data) // 2] ^= 0xFF
         newest.write_bytes(bytes(data))
-        third = start(hydra_command(run_dir, ckpt, *STATEFUL), tmp_path / "third.log")
-        assert finish(third) == 0, third.tail()
-        log = third.log_path.read_text()
+        fifth = run("fifth")
+        assert finish(fifth) == 0, fifth.tail()
+        log = fifth.log_path.read_text()
         assert "resumed after round" in log and f"resumed after round {max(kept)}" not in log
         assert (run_dir / "final_model.safetensors").read_bytes() == reference.result()
         assert committed(ckpt) == ROUNDS  # the killed writer's leftovers were cleaned up
