@@ -68,9 +68,12 @@ def run_setting(
     study.run_study(rules=[rule], attacks=[SIGN_FLIP_X4[0]], extra=[*extra, SIGN_FLIP_X4[1]], out=x4, **study_args)
 
 
-def selection_table(out: Path, names: Sequence[str], rule: str) -> tuple[dict, dict[str, str]]:
+def selection_table(
+    out: Path, names: Sequence[str], rule: str, seeds: Sequence[int] | None = None
+) -> tuple[dict, dict[str, str]]:
     """One worst-case table over every setting: ``RULE @ name`` per setting, and the best clean FedAvg.
 
+    Only the runs of ``seeds`` count (all when None): a directory may hold more seeds from another selection.
     Returns the table (:func:`experiments.worst_case.cells` keys) and, per partition, which setting's
     FedAvg is the reference.
     """
@@ -81,6 +84,7 @@ def selection_table(out: Path, names: Sequence[str], rule: str) -> tuple[dict, d
         results = study.load_results(main) + [
             r | {"attack": "sign_flip (scale=4)"} for r in study.load_results(x4)
         ]
+        results = [r for r in results if seeds is None or r["seed"] in seeds]
         for (partition, r, attack), cell in worst_case.cells(results).items():
             if r == worst_case.CLEAN_RULE and attack == worst_case.CLEAN_ATTACK:
                 if partition not in clean or cell.accuracy > clean[partition][0].accuracy:
@@ -92,9 +96,9 @@ def selection_table(out: Path, names: Sequence[str], rule: str) -> tuple[dict, d
     return table, {p: name for p, (_, name) in clean.items()}
 
 
-def report(out: Path, settings: dict[str, list[str]], rule: str) -> str:
+def report(out: Path, settings: dict[str, list[str]], rule: str, seeds: Sequence[int] | None = None) -> str:
     """The selection as Markdown: every setting's worst case on validation data, best first, and the choice."""
-    table, reference = selection_table(out, list(settings), rule)
+    table, reference = selection_table(out, list(settings), rule, seeds)
     cases = worst_case.worst_cases(table)
     chosen, why = worst_case.choose(cases, f"{rule} @ {BASE}" if BASE in settings else cases[0].rule)
     partitions = [p for p in study.PARTITIONS if p in reference]
@@ -158,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 name, overrides, rule=args.rule, out=args.out, validation_fraction=args.validation_fraction,
                 partitions=args.partitions, seeds=args.seeds, rounds=args.rounds, jobs=args.jobs, command=command,
             )
-    text = report(args.out, settings, args.rule)
+    text = report(args.out, settings, args.rule, args.seeds)
     (args.out / "selection.md").write_text(text + "\n")
     print(text)
 

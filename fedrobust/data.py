@@ -400,10 +400,8 @@ def _digits_splits(seed: int, validation_fraction: float = 0.0) -> tuple[dataset
             _LABEL: datasets.ClassLabel(num_classes=_SPECS["digits"].num_classes),
         }
     )
-    if len(held):
-        x_train, y_train, validation = x_train[keep], y_train[keep], (x_train[held], y_train[held])
-    else:  # the split as it was before hold-outs existed: runs without one keep their bytes
-        validation = (x_train[:0], y_train[:0])
+    # Nothing held out: keep is 0 .. n-1, so the split is the one from before hold-outs existed.
+    x_train, y_train, validation = x_train[keep], y_train[keep], (x_train[held], y_train[held])
     train = datasets.Dataset.from_dict({_DIGITS_FEATURE: x_train, _LABEL: y_train}, features=features)
     return train, (x_test, y_test), validation
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,16 @@ def test_a_setting_within_the_noise_of_base_does_not_replace_it(tmp_path: Path) 
     _setting(tmp_path, "base", 0.96, {"optimal_ipm": 0.95}, 0.955)
     _setting(tmp_path, "close", 0.96, {"optimal_ipm": 0.951}, 0.955)
     assert "Chosen: **base** (kept:" in tune.report(tmp_path, {"base": [], "close": ["client.lr=0.4"]}, RULE)
+
+
+def test_only_the_selected_seeds_count(tmp_path: Path) -> None:
+    _setting(tmp_path, "base", 0.96, {"optimal_ipm": 0.95}, 0.955)
+    main, _ = tune.sweep_dirs(tmp_path, "base")
+    # A third seed from another selection, in which the attack broke the run: it must not count for seeds 0 1.
+    (main / "iid__mean__none__s2.json").write_text(json.dumps(study_run("iid", "mean", "none", 2, 0.96)))
+    (main / f"iid__{RULE}__optimal_ipm__s2.json").write_text(json.dumps(study_run("iid", RULE, "optimal_ipm", 2, 0.1)))
+    assert "| base | `-` | 1.0 (optimal_ipm)" in tune.report(tmp_path, {"base": []}, RULE, seeds=[0, 1])
+    assert "| base | `-` | 1.0 (optimal_ipm)" not in tune.report(tmp_path, {"base": []}, RULE)
 
 
 @pytest.mark.parametrize(
