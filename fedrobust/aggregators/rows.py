@@ -38,10 +38,10 @@ _REFERENCE_SAMPLE = 1024
 class _Scratch:
     """Storage reused for one pass's per-chunk temporaries.
 
-    A chunk-sized tensor allocated afresh for every chunk may come straight from the kernel (glibc maps
-    blocks above its adaptive mmap threshold), page-faulting 8 MiB per chunk: in a streamed round, after
-    the replies came and went one by one, that made the default pipeline's close 60% slower (7.5 s against
-    4.6 s at n = 50, d = 11.2M). One buffer per pass is faulted in once.
+    Chunk-sized tensors allocated afresh for every chunk made the default pipeline's close 60% slower in a
+    streamed round, after the replies came and went one by one (7.5 s against 4.6 s at n = 50, d = 11.2M;
+    the time went to the clamps and the mixing, most likely page faults on freshly mapped memory, as glibc
+    maps large blocks once its adaptive threshold has moved). One buffer per pass is touched once.
     """
 
     def __init__(self, device: torch.device) -> None:
