@@ -7,6 +7,10 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/setup.sh"
 cd "$FEDROBUST_ROOT"
 py="$FEDROBUST_VENV/bin/python"
+# Python's bytecode cache on, even where the environment turns it off: otherwise every pytest worker
+# rewrites and compiles every test module again, and so does each of the slow tier's ~150 processes
+# for the project's modules (the fast tier: 65 s with it off, 59 s on a cold cache, 56 s warm).
+unset PYTHONDONTWRITEBYTECODE
 if [ "$#" -gt 0 ]; then
   exec "$py" -m pytest "$@"
 fi

@@ -302,6 +302,7 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
 
     from tests.process.test_flwr_run import FEDERATION, _run_status
     from tests.support.flower_processes import FlowerProcesses, executable, write_flwr_home
+    from tests.support.simulation import federation_options
 
     out = tmp_path / "out"
     with FlowerProcesses(tmp_path) as fp:
@@ -311,7 +312,7 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
             tmp_path,
             FEDERATION,
             link.address,
-            options={"num-supernodes": 5, "backend": {"client-resources": {"num-cpus": 1}}},
+            options=federation_options(5),
         )
         run_config = (
             f"num_rounds=3 num_clients=5 clients_per_round=5 num_byzantine=1 output_dir='{out}' "

@@ -8,7 +8,6 @@ only ``RobustStrategy(...)`` and ``strategy.start(...)``, on Flower's real simul
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -24,10 +23,10 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from fedrobust import RobustStrategy
+from tests.support.simulation import ray_backend
 
 NUM_NODES = 8
 MALFORMED, NAN, ADVERSARIAL = 0, 1, 2  # partition ids of the faulty nodes; the others are honest
-BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": os.cpu_count() or 1}}
 
 
 # ---------------------------------------------------------------------- the user's task.py
@@ -127,7 +126,7 @@ def test_a_flower_style_app_trains_robustly_and_resumes(tmp_path: Path) -> None:
         server_app=robust_server(tmp_path / "ckpt", results),
         client_app=client,
         num_supernodes=NUM_NODES,
-        backend_config=BACKEND,
+        backend_config=ray_backend(),
     )
     assert set(results) == {"first", "second"}, "the ServerApp did not finish; see the log above"
     first, second = results["first"], results["second"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -14,19 +13,17 @@ from fedrobust import protocol
 from fedrobust.config import RunConfig
 from fedrobust.strategies.errors import QuorumError
 from fedrobust.strategies.server_app import make_server_app
-from tests.support.simulation import read_rows, replace_update, small_config, tampering_client
+from tests.support.simulation import ray_backend, read_rows, replace_update, small_config, tampering_client
 
 pytestmark = pytest.mark.slow
 
-BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": os.cpu_count() or 1}}
 
-
-def _run(cfg: RunConfig, client_app) -> None:
+def _run(cfg: RunConfig, client_app, actors: int = 1) -> None:
     run_simulation(
         server_app=make_server_app(cfg, out_dir=Path(cfg.output_dir)),
         client_app=client_app,
         num_supernodes=cfg.num_clients,
-        backend_config=BACKEND,
+        backend_config=ray_backend(actors),
     )
 
 
@@ -79,7 +76,8 @@ def test_client_exceptions_and_missed_deadlines_count_as_dropped(tmp_path: Path)
         if partition == 1 and server_round == 3:
             time.sleep(30)  # straggler: well past the round deadline
 
-    _run(cfg, tampering_client(cfg, tamper))
+    # Two workers: while the straggler holds one, the other answers the other four in time.
+    _run(cfg, tampering_client(cfg, tamper), actors=2)
     rows = read_rows(Path(cfg.output_dir))
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert rows[1]["dropped"] == 1 and rows[1]["accepted"] == 4 and rows[1]["aggregated"] is True

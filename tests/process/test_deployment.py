@@ -196,15 +196,22 @@ def start_devices(
     return node_ids, nodes
 
 
-def _run_status(fp: FlowerProcesses, run_id: int) -> str:
-    """The run's status as ``flwr ls --format json`` reports it (e.g. ``finished:completed``)."""
+def _run_statuses(fp: FlowerProcesses, run_ids: list[int]) -> list[str]:
+    """The runs' statuses as ``flwr ls --format json`` reports them (e.g. ``finished:completed``), once
+    all are finished or after 30 s; one ``flwr ls`` per try (each costs ~4 s of CLI start-up here)."""
     deadline = time.monotonic() + 30.0
     while True:
-        runs = _json_out(_flwr(fp, "ls", FEDERATION, "--run-id", str(run_id), "--format", "json"))["runs"]
-        status = str(runs[0]["status"])
-        if status.startswith("finished") or time.monotonic() > deadline:
-            return status
+        runs = _json_out(_flwr(fp, "ls", FEDERATION, "--format", "json"))["runs"]
+        by_id = {int(run["run-id"]): str(run["status"]) for run in runs}
+        statuses = [by_id.get(run_id, "unknown") for run_id in run_ids]
+        if all(s.startswith("finished") for s in statuses) or time.monotonic() > deadline:
+            return statuses
         time.sleep(1.0)
+
+
+def _run_status(fp: FlowerProcesses, run_id: int) -> str:
+    """The run's status as ``flwr ls --format json`` reports it (e.g. ``finished:completed``)."""
+    return _run_statuses(fp, [run_id])[0]
 
 
 def _start_run(fp: FlowerProcesses, app: Path, run_config: str, log_path: Path) -> subprocess.Popen[str]:

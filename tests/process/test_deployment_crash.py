@@ -71,7 +71,7 @@ from tests.process.test_deployment import (
     _kill_device,
     _ProcessCensus,
     _rows,
-    _run_status,
+    _run_statuses,
     _start_run,
     _wait_online,
     device_node_config,
@@ -255,7 +255,7 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
 
             for name in ("a", "b"):
                 runs[name].wait(timeout=60.0)
-            statuses = {name: _run_status(fp, _run_id(run_logs[name])) for name in ("a", "b")}
+            statuses = dict(zip("ab", _run_statuses(fp, [_run_id(run_logs[name]) for name in "ab"]), strict=True))
             nodes_ran_throughout = all(n.alive() for n in nodes)
             # Every SuperNode, never restarted, took run C's messages from the restarted SuperLink.
             run_c = _run_id(run_logs["c"])

@@ -57,7 +57,7 @@ from tests.support.hydra_runs import (
     uninterrupted_final_bytes,
     wait_for,
 )
-from tests.support.simulation import read_rows, small_config, tampering_client
+from tests.support.simulation import ray_backend, read_rows, small_config, tampering_client
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_a_client_process_dying_inside_the_clientapp_counts_as_dropped_and_the_r
         server_app=make_server_app(cfg, out_dir=Path(cfg.output_dir)),
         client_app=tampering_client(cfg, die),
         num_supernodes=cfg.num_clients,
-        backend_config=backend_config(cfg),  # as python -m experiments.run runs it
+        backend_config=ray_backend(base=backend_config(cfg)),  # as python -m experiments.run runs it
     )
     rows = read_rows(Path(cfg.output_dir))
     assert [r["round"] for r in rows] == [1, 2, 3]

@@ -24,15 +24,13 @@ from tests.support.flower_processes import (
     executable,
     write_flwr_home,
 )
+from tests.support.simulation import federation_options
 
 REPO = Path(__file__).resolve().parents[2]
 FEDERATION = "fedrobust-sim"
 NUM_ROUNDS = 2
 NUM_CLIENTS = 5
 NUM_BYZANTINE = 1  # only the f the rule tolerates (attack.name defaults to 'none'); f=1 fits 5 clients per round
-# CPUs Ray reserves per ClientApp; Ray sees the machine's cores, so this caps how many ClientApp
-# actors (each importing torch) run at once.
-CLIENT_CPUS = 1
 RUN_TIMEOUT = 240.0  # seconds; a healthy run takes well under a minute
 
 
@@ -130,7 +128,7 @@ def test_flwr_run_local_simulation(tmp_path: Path) -> None:
             tmp_path,
             FEDERATION,
             link.address,
-            options={"num-supernodes": NUM_CLIENTS, "backend": {"client-resources": {"num-cpus": CLIENT_CPUS}}},
+            options=federation_options(NUM_CLIENTS),
         )
         run_config = (
             f"num_rounds={NUM_ROUNDS} num_clients={NUM_CLIENTS} num_byzantine={NUM_BYZANTINE} "
@@ -187,7 +185,7 @@ def test_quickstart_robust_example_trains_under_flwr_run(tmp_path: Path) -> None
         link = fp.start_superlink(simulation=True)
         write_flwr_home(
             tmp_path, FEDERATION, link.address,
-            options={"num-supernodes": 4, "backend": {"client-resources": {"num-cpus": CLIENT_CPUS}}},
+            options=federation_options(4),
         )
         res = subprocess.run(
             [executable("flwr"), "run", str(REPO / "examples" / "quickstart-robust"), FEDERATION, "--stream",

@@ -39,6 +39,7 @@ import pytest
 
 from tests.process.test_fault_processes import committed, wait_for
 from tests.support.flower_processes import FlowerProcesses, Proc, descendants, executable, write_flwr_home
+from tests.support.simulation import federation_options
 
 REPO = Path(__file__).resolve().parents[2]
 FEDERATION = "fedrobust-sim"
@@ -65,8 +66,7 @@ def _flwr_run(fp: FlowerProcesses, out: Path, ckpt: Path, name: str) -> Proc:
 
 def _superlink(fp: FlowerProcesses) -> Proc:
     link = fp.start_superlink(simulation=True)
-    options = {"num-supernodes": SETTINGS["num_clients"], "backend": {"client-resources": {"num-cpus": 1}}}
-    write_flwr_home(fp.tmp_path, FEDERATION, link.address, options=options)
+    write_flwr_home(fp.tmp_path, FEDERATION, link.address, options=federation_options(SETTINGS["num_clients"]))
     return link
 
 

@@ -21,13 +21,18 @@ ROUNDS = 6
 
 
 def run_overrides(*overrides: str, rounds: int = ROUNDS) -> list[str]:
-    """The experiment every Hydra process test runs: 5 clients (one Byzantine), then ``overrides``."""
+    """The experiment every Hydra process test runs: 5 clients (one Byzantine), then ``overrides``.
+
+    Each client asks for every core, so Ray starts one ClientApp actor, not one per core (why:
+    tests/support/simulation.py); :func:`start` keeps it on one thread, as the in-process reference.
+    """
     return [
         "num_clients=5",
         "clients_per_round=5",
         f"num_rounds={rounds}",
         "num_byzantine=1",
         "aggregator=trimmed_mean",
+        f"simulation.client_cpus={os.cpu_count() or 1}",
         *overrides,
     ]
 
@@ -65,7 +70,13 @@ def uninterrupted_final_bytes(out_dir: Path, *overrides: str, rounds: int = ROUN
 
 def start(command: list[str], log: Path) -> Proc:
     """``command`` in a session of its own: its pid is its process group's id, as a batch job's."""
-    env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    env = {
+        **os.environ,
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        # Ray would give an actor of N CPUs N threads; one keeps the bytes of the in-process reference.
+        "OMP_NUM_THREADS": "1",
+    }
     with log.open("ab") as out:
         popen = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
