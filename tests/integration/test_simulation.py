@@ -76,7 +76,7 @@ def test_client_exceptions_and_missed_deadlines_count_as_dropped(tmp_path: Path)
         if partition == 1 and server_round == 3:
             time.sleep(30)  # straggler: well past the round deadline
 
-    # Two workers: while the straggler holds one, the other answers the other four in time.
+    # Two actors: while the straggler holds one, the other answers the other four in time.
     _run(cfg, tampering_client(cfg, tamper), actors=2)
     rows = read_rows(Path(cfg.output_dir))
     assert [r["round"] for r in rows] == [1, 2, 3]
