@@ -27,7 +27,7 @@ from fedrobust.config import RunConfig
 from fedrobust.run_setup import validate
 from fedrobust.strategies.errors import Preempted
 from fedrobust.strategies.robust_strategy import RobustStrategy
-from fedrobust.strategies.server_app import install_stop_handlers, run_experiment
+from fedrobust.strategies.server_app import StopSignals, install_stop_handlers, run_experiment
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
         if stop.is_set():
             strategy.request_stop()
 
-    install_stop_handlers(request_stop)
+    signals = install_stop_handlers(request_stop)
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)
@@ -111,6 +111,7 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
             verbose_logging=verbose,
         )
     except Exception as err:
+        _report_signals(signals)
         # After a stop request, whatever else failed (the engine losing its workers to a signal
         # sent to the whole process group) is the stop; the server's own account of it comes first.
         if preempted:
@@ -122,6 +123,7 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
         raise
     if stop.is_set():  # the run was complete when the signal came
         _ignore_further_signals()
+        _report_signals(signals)
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     if len(rows) < cfg.num_rounds:
         raise RuntimeError(f"the server stopped after {len(rows)} of {cfg.num_rounds} rounds; see the log above")
@@ -146,6 +148,12 @@ def backend_config(cfg: RunConfig) -> dict[str, Any]:
             "max_task_retries": 1,
         },
     }
+
+
+def _report_signals(signals: StopSignals | None) -> None:
+    """Say how many stop signals came, once the run has stopped (the handler logs only the first)."""
+    if signals is not None and signals.count > 1:
+        log.warning("%d stop signals received in all; the first one stopped the run", signals.count)
 
 
 def _ignore_further_signals() -> None:

@@ -36,22 +36,39 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 
-def install_stop_handlers(request_stop: Callable[[], None]) -> bool:
+class StopSignals:
+    """The SIGTERM/SIGINT handler that asks the round loop to checkpoint and stop; it counts the signals.
+
+    Only the first is logged. Schedulers repeat their signal, some every few milliseconds, and a
+    handler runs in the main thread between any two of its bytecodes, also inside a log call that
+    holds the log handler's lock: logging every signal of such a storm kept that lock held, so the
+    thread writing the stop's checkpoint waited on its own log line (no checkpoint in 60 s under a
+    SIGTERM every 2 ms). The count is for the caller to report once the run has stopped.
+    """
+
+    def __init__(self, request_stop: Callable[[], None]) -> None:
+        self.request_stop = request_stop
+        self.count = 0
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.count += 1
+        if self.count == 1:
+            log.warning("received %s: finishing up, writing a checkpoint", signal.Signals(signum).name)
+        self.request_stop()
+
+
+def install_stop_handlers(request_stop: Callable[[], None]) -> StopSignals | None:
     """Make SIGTERM and SIGINT ask the round loop to checkpoint and stop.
 
-    Returns False where signals cannot be handled (not the main thread); the process then keeps
-    Python's default behaviour.
+    Returns the installed handler (its ``count`` says how many signals came), or None where signals
+    cannot be handled (not the main thread); the process then keeps Python's default behaviour.
     """
     if threading.current_thread() is not threading.main_thread():
-        return False
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.warning("received %s: finishing up, writing a checkpoint", signal.Signals(signum).name)
-        request_stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return True
+        return None
+    handler = StopSignals(request_stop)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return handler
 
 
 # How long Flower's exit path waits for the round loop to abandon its round and commit the checkpoint.
@@ -114,8 +131,12 @@ def _log_further_signals() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
 
+    logged = threading.Event()
+
     def on_signal(signum: int, _frame: object) -> None:
-        log.warning("received %s: already stopping, the checkpoint is being written", signal.Signals(signum).name)
+        if not logged.is_set():  # once: see StopSignals for what logging every one of a storm does
+            logged.set()
+            log.warning("received %s: already stopping, the checkpoint is being written", signal.Signals(signum).name)
 
     _set_handler(signal.SIGTERM, on_signal)
     _set_handler(signal.SIGINT, on_signal)
