@@ -15,6 +15,7 @@ on the reply's bytes (:func:`strategies.reply_arrays.array_views`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from fedrobust.tensors import float_keys, unflatten
+from fedrobust.threads import pool, thread_count
 from fedrobust.validation import (
     BLOCK,
     Rejection,
@@ -33,6 +35,10 @@ from fedrobust.validation import (
 )
 
 ArrayLike = np.ndarray | torch.Tensor
+
+# Rows of at least this many values are written by several threads (below it, handing the work
+# to the pool costs more than it saves).
+_PARALLEL_WRITE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -184,14 +190,12 @@ class UpdateMatrix:
         if rejection is not None:
             return rejection
         out = self._matrix_np[index]
+        parts = self._write_all(out, arrays, full_weights)
         squared = 0.0
-        # Overflow to infinity is expected from hostile input and is what the check detects.
-        with np.errstate(over="ignore", invalid="ignore"):
-            for seg in self._segments:
-                part = self._write(out, seg, arrays[seg.key], full_weights)
-                if math.isnan(part):
-                    return non_finite(seg.key)
-                squared += part
+        for seg, part in zip(self._segments, parts, strict=True):
+            if math.isnan(part):
+                return non_finite(seg.key)
+            squared += part  # in segment order: the same norm whatever the number of threads
         norm = math.sqrt(squared)
         rejection = check_norm(norm, self.max_norm)
         if rejection is not None:
@@ -215,6 +219,35 @@ class UpdateMatrix:
                 self._matrix[new].copy_(self._matrix[old])
                 self._norms[new] = self._norms[old]
         self._len = len(ordered)
+
+    def _write_all(self, row: np.ndarray, arrays: Mapping[str, ArrayLike], full_weights: bool) -> list[float]:
+        """Write every tensor's update into ``row``; the sum of squares of each segment, in order.
+
+        NumPy's loops release the GIL, so a large row is written by ``thread_count()`` threads, each
+        taking a contiguous share of the segments (every segment's own sum is computed the same way
+        either way).
+        """
+
+        def write(segments: Sequence[_Segment]) -> list[float]:
+            # Overflow to infinity is expected from hostile input and is what the check detects.
+            with np.errstate(over="ignore", invalid="ignore"):
+                return [self._write(row, seg, arrays[seg.key], full_weights) for seg in segments]
+
+        threads = thread_count()
+        if threads == 1 or self.dim < _PARALLEL_WRITE:
+            return write(self._segments)
+        shares = self._shares(threads)
+        return [part for share in pool(threads).map(write, shares) for part in share]
+
+    def _shares(self, threads: int) -> list[tuple[_Segment, ...]]:
+        """The segments cut into ``threads`` contiguous runs of about equal size."""
+        cuts, target, done = [0], self.dim / threads, 0
+        for i, seg in enumerate(self._segments):
+            done += seg.stop - seg.start
+            if done >= target * len(cuts) and len(cuts) < threads:
+                cuts.append(i + 1)
+        cuts.append(len(self._segments))
+        return [self._segments[a:b] for a, b in itertools.pairwise(cuts) if b > a]
 
     def _write(self, row: np.ndarray, seg: _Segment, value: ArrayLike, full_weights: bool) -> float:
         """Write one tensor's update into ``row[seg]`` block by block; return its sum of squares."""

@@ -14,8 +14,11 @@ block of every row it needs into a scratch buffer.
 
 The kernels are compiled once per dtype (``cache=True`` keeps the machine code on disk, in a directory
 keyed by this file's content: see ``_kernel_cache``) and release the GIL, so the columns are split
-over a thread pool sized by ``torch.get_num_threads()``, in more pieces than threads so that a thread
-slowed by other work on the machine does not hold up a call.
+over a thread pool sized by ``torch.get_num_threads()`` (``fedrobust.threads``), in more pieces than
+threads so that a thread slowed by other work on the machine does not hold up a call. A call must get
+all its columns at once for that: the order-statistic kernels read the rows in place in one launch,
+and the Gram matrix hands its column spans to the pool (adding their parts in span order, so that its
+bytes do not depend on the thread count either).
 Importing this module compiles or loads them; callers import it lazily.
 """
 
@@ -29,10 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
-import torch
 from numba import types
 
 from fedrobust.aggregators import _kernel_cache
+from fedrobust.threads import pool, thread_count
 
 __all__ = ["block_size", "closest_mean", "gram", "launch", "window_bounds", "window_mean"]
 
@@ -320,9 +323,6 @@ def centered_gram(x, row_stride, first, columns, n, ref_row, extras, augmented, 
 
 logger.debug("numba kernels compiled or loaded from the cache in %.2f s", time.perf_counter() - _compile_start)
 
-_pools: dict[int, ThreadPoolExecutor] = {}
-
-
 def block_size(rows: int, itemsize: int) -> int:
     """Coordinates per block so that the scratch buffer of ``rows + 1`` rows stays in L1."""
     return int(min(1024, max(16, _SCRATCH_BYTES // ((rows + 1) * itemsize) // 16 * 16)))
@@ -330,16 +330,13 @@ def block_size(rows: int, itemsize: int) -> int:
 
 def _pieces(columns: int) -> tuple[ThreadPoolExecutor | None, list[tuple[int, int]]]:
     """The pool to use (None: run inline) and the column ranges to hand out."""
-    threads = max(1, torch.get_num_threads())
+    threads = thread_count()
     if threads == 1 or columns < 65536:
         return None, [(0, columns)]
-    # One pool per thread count, so at most torch.get_num_threads() kernels run at once.
-    pool = _pools.get(threads)
-    if pool is None:
-        pool = _pools[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fedrobust-kernel")
+    workers = pool(threads)
     count = 4 * threads
     bounds = [min(columns, (columns * k // count) // 16 * 16) for k in range(count)] + [columns]
-    return pool, [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+    return workers, [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
 def launch(
@@ -350,18 +347,17 @@ def launch(
     ``x`` is the flat storage of the rows (row ``r`` starts at ``r * row_stride``) and ``args`` the
     kernel's arguments between the row indices and ``out``. Returns True when every value was finite.
     """
-    pool, pieces = _pieces(out.shape[0])
-    if pool is None:
+    workers, pieces = _pieces(out.shape[0])
+    if workers is None:
         return bool(kernel(x, row_stride, first, out.shape[0], *args, out))
-    futures = [pool.submit(kernel, x, row_stride, first + lo, hi - lo, *args, out[lo:hi]) for lo, hi in pieces]
+    futures = [workers.submit(kernel, x, row_stride, first + lo, hi - lo, *args, out[lo:hi]) for lo, hi in pieces]
     return all(bool(f.result()) for f in futures)
 
 
 def gram(
     x: np.ndarray,
     row_stride: int,
-    first: int,
-    columns: int,
+    spans: list[tuple[int, int]],
     n: int,
     ref_row: int,
     extras: np.ndarray,
@@ -370,23 +366,26 @@ def gram(
 ) -> np.ndarray:
     """Lower triangle (float64, ``[k + 4, k + 4]`` with scratch beyond ``k``) of the centered Gram matrix.
 
-    Covers the columns ``first .. first + columns`` of the ``n`` rows of ``x`` (flat storage), of the
-    ``extras`` and, if ``augmented``, of the reference row itself; all centered on row ``ref_row``.
-    ``bounds`` (``[2, d]``, all columns) clamps the rows' values first.
+    Covers the column ranges ``spans`` (``(start, stop)`` pairs) of the ``n`` rows of ``x`` (flat
+    storage), of the ``extras`` and, if ``augmented``, of the reference row itself; all centered on row
+    ``ref_row``. ``bounds`` (``[2, d]``, all columns) clamps the rows' values first.
+
+    Each span's part is computed on its own, on the thread pool, and the parts are added in the order
+    of ``spans``: the same bytes whatever the number of threads.
     """
     k = n + extras.shape[0] + int(augmented)
     block = block_size(k + 3, x.itemsize)
-    pool, pieces = _pieces(columns)
-    outs = [np.zeros((k + 4, k + 4)) for _ in pieces]
     no_bounds = np.empty((0, 0), x.dtype)
     args = (n, ref_row, extras, int(augmented), no_bounds if bounds is None else bounds, block)
-    if pool is None:
-        centered_gram(x, row_stride, first, columns, *args, outs[0])
-    else:
-        futures = [
-            pool.submit(centered_gram, x, row_stride, first + lo, hi - lo, *args, out)
-            for (lo, hi), out in zip(pieces, outs, strict=True)
-        ]
-        for future in futures:
-            future.result()
-    return np.sum(outs, axis=0)
+
+    def part(span: tuple[int, int]) -> np.ndarray:
+        out = np.zeros((k + 4, k + 4))
+        centered_gram(x, row_stride, span[0], span[1] - span[0], *args, out)
+        return out
+
+    threads = thread_count()
+    parts = map(part, spans) if threads == 1 or len(spans) == 1 else pool(threads).map(part, spans)
+    total = np.zeros((k + 4, k + 4))
+    for piece in parts:
+        total += piece
+    return total

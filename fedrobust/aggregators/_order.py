@@ -90,10 +90,9 @@ def _run(
         flat, row_stride = flat_rows(basis.x)
         index = torch.arange(basis.n) if rows.index is None else rows.index
         index_np = np.ascontiguousarray(index.numpy(), dtype=np.int64)
-        for start, stop in basis.spans(rows.m):
-            all_finite &= kernels.launch(
-                kernel, flat, row_stride, start, out_np[start:stop], index_np, comp_a, comp_b, *params, block
-            )
+        # One launch over every column: the kernel works block by block in its own scratch, and
+        # launch splits the columns over the threads.
+        all_finite = kernels.launch(kernel, flat, row_stride, 0, out_np, index_np, comp_a, comp_b, *params, block)
     else:
         index_np = np.arange(rows.m, dtype=np.int64)
         for start, stop, y in rows.chunks(dtype, reuse=True):

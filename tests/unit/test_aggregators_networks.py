@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
 
+from fedrobust import aggregators
 from fedrobust.aggregators._networks import sorting_network, window_network
 from fedrobust.aggregators._order import numba_kernels
 
@@ -117,3 +119,34 @@ def test_importing_the_rules_leaves_scipy_out() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False True", done.stdout
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """Set torch's thread count for the test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "median", "krum", "geometric_median", "winsorize+nnm+trimmed_mean"])
+def test_rules_give_the_same_bytes_on_one_thread_and_on_several(rule: str, threads, monkeypatch) -> None:
+    from fedrobust.aggregators import _kernels  # compiles or loads the kernels: only in the tests that run them
+
+    # 50 rows: each 8 MiB column span is narrower than a threaded launch, so only a launch over all the
+    # columns uses the threads. Wide enough for several spans of the Gram matrix.
+    x = torch.randn(50, 300_000, generator=torch.Generator().manual_seed(3))
+    threads(1)
+    one = aggregators.build(rule, f=4)(x)
+    requested: list[int] = []
+    real_pool = _kernels.pool
+
+    def recording_pool(count: int):
+        requested.append(count)
+        return real_pool(count)
+
+    monkeypatch.setattr(_kernels, "pool", recording_pool)
+    threads(3)
+    several = aggregators.build(rule, f=4)(x)
+    assert requested and set(requested) == {3}  # the kernels did use the pool of three threads
+    assert torch.equal(one, several)

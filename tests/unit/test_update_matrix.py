@@ -337,3 +337,33 @@ def test_cached_headers_still_give_each_array_its_own_shape_and_dtype() -> None:
         for value in arrays:
             view = array_view(Array(value))
             assert view.shape == value.shape and view.dtype == value.dtype
+
+
+def _wide_template() -> dict[str, torch.Tensor]:
+    """Large enough (> 1M values, several segments) for the row to be written by several threads."""
+    g = torch.Generator().manual_seed(5)
+    return {f"layer{i}.weight": torch.randn(300_000 + 7 * i, generator=g) for i in range(5)}
+
+
+def test_rows_and_norms_are_the_same_written_by_one_thread_or_several() -> None:
+    template = _wide_template()
+    replies = [_local(template, seed) for seed in range(3)]
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            matrix = UpdateMatrix(template, capacity=3)
+            for reply in replies:
+                assert matrix.add({k: v.numpy() for k, v in reply.items()}, full_weights=True) is None
+            results.append((matrix.rows().clone(), matrix.norms().clone()))
+        # A NaN in the fourth segment is reported there, as the one-thread pass reports it.
+        bad = dict(replies[0])
+        bad["layer3.weight"] = bad["layer3.weight"].clone()
+        bad["layer3.weight"][123] = float("nan")
+        rejection = UpdateMatrix(template, capacity=1).add(bad, full_weights=True)
+    finally:
+        torch.set_num_threads(before)
+    (rows_one, norms_one), (rows_three, norms_three) = results
+    assert torch.equal(rows_one, rows_three) and torch.equal(norms_one, norms_three)
+    assert rejection is not None and rejection.reason == "non_finite" and "layer3.weight" in rejection.detail
