@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, get_type_hints
+from typing import TYPE_CHECKING, Any, NoReturn, get_type_hints
 
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
@@ -37,6 +37,9 @@ from omegaconf import DictConfig, OmegaConf
 
 # Only the config module here (no torch): a mistyped override fails in well under a second.
 from fedrobust.config import ConfigError, RunConfig, coerce, format_value, from_nested
+
+if TYPE_CHECKING:
+    from fedrobust.strategies.errors import Preempted
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +185,16 @@ def checked_run_config(cfg: DictConfig) -> RunConfig:
         _exit_invalid(err.problems)
 
 
+def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:
+    """Tell the user what a stopped run left behind and what the same command does next."""
+    if stopped.checkpointed:
+        print(f"{stopped}; checkpoint written, run the same command again to resume", flush=True)
+    elif not run_cfg.checkpoint.dir:
+        print(f"{stopped}; no checkpoint (checkpoint.dir is empty): the same command starts over", flush=True)
+    else:
+        print(f"{stopped}; no checkpoint (no round had completed): the same command starts over", flush=True)
+
+
 # An absolute path: Hydra finds it also when main() is called from an import, not only from `python -m`.
 @hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
@@ -194,15 +207,17 @@ def main(cfg: DictConfig) -> float:
     from fedrobust.strategies.checkpointing import NoValidCheckpointError
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+
+    def exit_preempted_now(stopped: Preempted) -> None:
+        # From the watchdog thread, while the engine's shutdown hangs: only os._exit ends the process.
+        _say_preempted(stopped, run_cfg)
+        logging.shutdown()
+        os._exit(EXIT_PREEMPTED)
+
     try:
-        rows = simulate(run_cfg, out_dir)
+        rows = simulate(run_cfg, out_dir, on_stuck_stop=exit_preempted_now)
     except Preempted as stopped:
-        if stopped.checkpointed:
-            print(f"{stopped}; checkpoint written, run the same command again to resume", flush=True)
-        elif not run_cfg.checkpoint.dir:
-            print(f"{stopped}; no checkpoint (checkpoint.dir is empty): the same command starts over", flush=True)
-        else:
-            print(f"{stopped}; no checkpoint (no round had completed): the same command starts over", flush=True)
+        _say_preempted(stopped, run_cfg)
         sys.exit(EXIT_PREEMPTED)
     # QuorumError: also NoNodesError and ClientFailureError, nothing (more) could be trained. The
     # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies).

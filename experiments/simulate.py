@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,10 @@ from fedrobust.strategies.server_app import StopSignals, install_stop_handlers, 
 
 log = logging.getLogger(__name__)
 
+# Seconds Flower's engine gets to shut down after the server stopped on a stop request. A healthy
+# shutdown takes a few seconds; Ray ends a process whose control store is gone after 60 s.
+STOP_TEARDOWN_TIMEOUT = 10.0
+
 
 def _start_ray(verbose: bool) -> None:
     """Start Ray here rather than inside Flower, so that our signal handlers can go in after it.
@@ -51,13 +56,26 @@ def _start_ray(verbose: bool) -> None:
     )
 
 
-def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[dict[str, Any]]:
+def simulate(
+    cfg: RunConfig,
+    out_dir: Path,
+    *,
+    verbose: bool = False,
+    on_stuck_stop: Callable[[Preempted], object] | None = None,
+) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` simulated SuperNodes; return the metrics rows.
 
     SIGTERM and SIGINT, to this process alone or to its whole process group (Ray's workers
     included, as batch schedulers send them), make the server checkpoint the last completed round
     and stop (``Preempted``). The clients' ``Context.state`` is checkpointed with the rounds
     (:mod:`experiments.client_state`), so a resume continues stateful clients exactly.
+
+    A signal to the whole group also reaches Ray's own processes, and Flower's engine can then
+    wait on them until Ray gives up on its lost control store and ends the process with exit 1
+    (after 60 s). ``on_stuck_stop``, where given, is called from a watchdog thread with the
+    server's ``Preempted`` when the engine has not shut down ``STOP_TEARDOWN_TIMEOUT`` seconds
+    after the server stopped; a command-line caller exits the process there. The checkpoint is
+    on disk by then: nothing is lost by not waiting.
 
     Raises
     ------
@@ -94,12 +112,16 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
     server_app = ServerApp()
     preempted: list[Preempted] = []
 
+    watchdog: list[threading.Timer] = []
+
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
             run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy)
         except Preempted as stopped:
             preempted.append(stopped)
+            if on_stuck_stop is not None:
+                watchdog.append(_watch_teardown(stopped, signals, on_stuck_stop))
             raise
 
     try:
@@ -121,6 +143,9 @@ def simulate(cfg: RunConfig, out_dir: Path, *, verbose: bool = False) -> list[di
             _ignore_further_signals()
             raise Preempted(f"stopped ({type(err).__name__}: {err})", checkpointed=_has_checkpoint(cfg)) from err
         raise
+    finally:
+        for timer in watchdog:
+            timer.cancel()
     if stop.is_set():  # the run was complete when the signal came
         _ignore_further_signals()
         _report_signals(signals)
@@ -148,6 +173,26 @@ def backend_config(cfg: RunConfig) -> dict[str, Any]:
             "max_task_retries": 1,
         },
     }
+
+
+def _watch_teardown(
+    stopped: Preempted, signals: StopSignals | None, on_stuck_stop: Callable[[Preempted], object]
+) -> threading.Timer:
+    """A started timer that hands ``stopped`` to ``on_stuck_stop`` if the engine's shutdown hangs."""
+
+    def stuck() -> None:
+        _report_signals(signals)
+        log.warning(
+            "the simulation engine has not shut down %.0f s after the stop (Ray's processes got the stop "
+            "signal too); not waiting for it",
+            STOP_TEARDOWN_TIMEOUT,
+        )
+        on_stuck_stop(stopped)
+
+    timer = threading.Timer(STOP_TEARDOWN_TIMEOUT, stuck)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _report_signals(signals: StopSignals | None) -> None:
