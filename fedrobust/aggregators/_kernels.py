@@ -43,14 +43,15 @@ logger = logging.getLogger(__name__)
 
 _kernel_cache.install()  # before the decorators below look for their cache
 
-# Scratch per block of the order-statistic kernels: (rows + 1) x block values, in a core's L2 cache. A
-# comparator network makes hundreds of passes over its block, each with a fixed cost (row lookups, loop
-# set-up); wider blocks spread it. Trimmed mean of 50 x 11.2M float32 on one thread, by scratch size:
-# 24 KiB (L1, blocks of 112) 0.90 s, 96 KiB (480) 0.84 s, 192 KiB (960) 0.60 s, 400 KiB (2000) 0.67 s.
-_NETWORK_SCRATCH_BYTES = 192 * 1024
-# The Gram kernel's blocks stay in L1: its float32 partial sums run over one block, and a longer block
-# would make them less precise.
-_GRAM_SCRATCH_BYTES = 24 * 1024
+# Scratch per block of every kernel: (rows + 1) x block values, in a core's L2 cache. A comparator
+# network makes hundreds of passes over its block, and the Gram kernel a pass per tile of rows, each with
+# a fixed cost (row lookups, loop set-up, the tile's sums added to the result); wider blocks spread it.
+# On one thread, by scratch size: the trimmed mean of 50 x 11.2M float32 24 KiB (L1, blocks of 112)
+# 0.90 s, 96 KiB (480) 0.84 s, 192 KiB (960) 0.60 s, 400 KiB (2000) 0.67 s; the Gram matrix of the same
+# rows 0.95-0.99 s at 24 KiB, 0.64 s at 96 KiB, 0.56 s at 192 KiB, and of 100 x 11.2M 4.57 s (blocks of
+# 48) against 1.93 s (464). The Gram's float32 partial sums then run over a longer block; pairwise
+# distances of close rows (noise 1e-4 on a common row of scale 1e-2) were still within 7e-9 of float64.
+_SCRATCH_BYTES = 192 * 1024
 
 
 @numba.njit(nogil=True, boundscheck=False, cache=True)
@@ -329,7 +330,7 @@ def centered_gram(x, row_stride, first, columns, n, ref_row, extras, augmented, 
 
 logger.debug("numba kernels compiled or loaded from the cache in %.2f s", time.perf_counter() - _compile_start)
 
-def block_size(rows: int, itemsize: int, scratch: int = _NETWORK_SCRATCH_BYTES) -> int:
+def block_size(rows: int, itemsize: int, scratch: int = _SCRATCH_BYTES) -> int:
     """Coordinates per block so that the scratch buffer of ``rows + 1`` rows fits in ``scratch`` bytes."""
     return int(min(1024, max(16, scratch // ((rows + 1) * itemsize) // 16 * 16)))
 
@@ -380,7 +381,7 @@ def gram(
     of ``spans``: the same bytes whatever the number of threads.
     """
     k = n + extras.shape[0] + int(augmented)
-    block = block_size(k + 3, x.itemsize, _GRAM_SCRATCH_BYTES)
+    block = block_size(k + 3, x.itemsize)
     no_bounds = np.empty((0, 0), x.dtype)
     args = (n, ref_row, extras, int(augmented), no_bounds if bounds is None else bounds, block)
 

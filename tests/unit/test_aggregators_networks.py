@@ -150,3 +150,34 @@ def test_rules_give_the_same_bytes_on_one_thread_and_on_several(rule: str, threa
     several = aggregators.build(rule, f=4)(x)
     assert requested and set(requested) == {3}  # the kernels did use the pool of three threads
     assert torch.equal(one, several)
+
+
+@pytest.mark.parametrize("clamp", [False, True], ids=["plain", "winsorized"])
+def test_gram_over_many_blocks_and_spans_matches_float64(clamp: bool) -> None:
+    """The Gram kernel's block loop, its zero-padded last block, spans, extras, the reference row and bounds."""
+    from fedrobust.aggregators import _kernels
+
+    n, extras_count, ref_row = 9, 2, 4
+    k = n + extras_count + 1  # augmented: the reference row itself comes last
+    block = _kernels.block_size(k + 3, 4)
+    d = 5 * block + 37  # several whole blocks and a partial one, in every span
+    gen = np.random.default_rng(11)
+    rows = np.zeros((n, d + 3), np.float32)  # row stride d + 3: rows are views into one buffer
+    rows[:, :d] = gen.standard_normal((n, d), dtype=np.float32) * 0.01 + 0.5
+    extras = gen.standard_normal((extras_count, d), dtype=np.float32) * 0.01 + 0.5
+    spans = [(0, 2 * block + 11), (2 * block + 11, d)]
+    bounds = np.stack([np.full(d, 0.495, np.float32), np.full(d, 0.505, np.float32)]) if clamp else None
+    got = _kernels.gram(rows.ravel(), d + 3, spans, n, ref_row, extras, True, bounds)[:k, :k]
+
+    x = rows[:, :d].astype(np.float64)
+    if bounds is not None:
+        x = np.clip(x, bounds[0].astype(np.float64), bounds[1].astype(np.float64))
+    ref = x[ref_row]
+    stacked = np.concatenate([x - ref, extras.astype(np.float64) - ref, ref[None]])
+    want = stacked @ stacked.T
+    # float32 products summed in float32 over one block, then in float64: the error is a few float32
+    # roundings of the sum of the terms' magnitudes (the result itself can be much smaller).
+    scale = np.abs(stacked) @ np.abs(stacked).T
+    lower = np.tril(np.ones((k, k), dtype=bool))
+    assert (np.abs(got - want)[lower] <= 1e-6 * scale[lower]).all()
+    assert np.abs(got - want)[lower].max() > 0  # really the float32 kernel, not a float64 copy
