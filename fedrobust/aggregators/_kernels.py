@@ -330,9 +330,9 @@ def centered_gram(x, row_stride, first, columns, n, ref_row, extras, augmented, 
 
 logger.debug("numba kernels compiled or loaded from the cache in %.2f s", time.perf_counter() - _compile_start)
 
-def block_size(rows: int, itemsize: int, scratch: int = _SCRATCH_BYTES) -> int:
-    """Coordinates per block so that the scratch buffer of ``rows + 1`` rows fits in ``scratch`` bytes."""
-    return int(min(1024, max(16, scratch // ((rows + 1) * itemsize) // 16 * 16)))
+def block_size(rows: int, itemsize: int) -> int:
+    """Coordinates per block so that the scratch buffer of ``rows + 1`` rows fits in ``_SCRATCH_BYTES``."""
+    return int(min(1024, max(16, _SCRATCH_BYTES // ((rows + 1) * itemsize) // 16 * 16)))
 
 
 def _pieces(columns: int) -> tuple[ThreadPoolExecutor | None, list[tuple[int, int]]]:
