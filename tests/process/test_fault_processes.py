@@ -11,7 +11,9 @@ server is stopped, each stop followed by a resume of the same command:
    checkpoint, exit 75. The stop can take under 20 ms (round abandoned and checkpoint written in 18 ms
    in a CI run), so a slower repeat may send only one. Steps 1 and 2 checkpoint only when stopped
    (``checkpoint.every_rounds=0``), so each of their checkpoints was written by the stop.
-3. SIGTERM to the main process alone: checkpoint, exit 75.
+3. Ray hung (its control store, gcs_server, stopped with SIGSTOP), then SIGTERM to the main process
+   alone: checkpoint, exit 75, without waiting for Flower's engine, whose shutdown then hangs for good
+   (without the watchdog in experiments/simulate.py the run never exited: over 190 s when tried).
 4. SIGKILL to the whole process tree at a random moment, possibly while a round's checkpoint is written
    (from here on a checkpoint after every round); the newest checkpoint is then corrupted.
 5. The last resume must detect that, fall back to the checkpoint before it and still end with final
@@ -32,6 +34,7 @@ checking the checkpoints on disk) are in tests/support/hydra_runs.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -47,7 +50,7 @@ from flwr.simulation import run_simulation
 from experiments.simulate import backend_config
 from fedrobust.strategies.errors import EXIT_PREEMPTED
 from fedrobust.strategies.server_app import make_server_app
-from tests.support.flower_processes import Proc
+from tests.support.flower_processes import Proc, descendants
 from tests.support.hydra_runs import (
     committed,
     finish,
@@ -103,13 +106,19 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         resumed_at = committed(ckpt)
         assert stopped_at < resumed_at < ROUNDS
 
-        # 3. SIGTERM to the main process alone, after the next round.
+        # 3. Ray hung, then SIGTERM to the main process alone, after the next round.
         third = run("third")
         wait_for(third, f"resumed after round {resumed_at}")
         wait_for(third, f"[round   {resumed_at + 1}/")
-        third.popen.send_signal(signal.SIGTERM)
-        assert finish(third) == EXIT_PREEMPTED, third.tail()
-        assert "checkpoint written" in third.log_path.read_text()
+        control_store = _pause_ray_control_store(third)
+        try:
+            third.popen.send_signal(signal.SIGTERM)
+            assert finish(third) == EXIT_PREEMPTED, third.tail()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(control_store, signal.SIGKILL)
+        log = third.log_path.read_text()
+        assert "checkpoint written" in log and "not waiting for it" in log, third.tail()
         stopped_at = committed(ckpt)
         assert resumed_at < stopped_at < ROUNDS - 3
 
@@ -117,6 +126,12 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         fourth = run("fourth")
         wait_for(fourth, f"resumed after round {stopped_at}")
         wait_for(fourth, f"[round   {stopped_at + 1}/")
+        # Checkpoints are written in the background: the round's line can come before its commit, the
+        # checkpoint directory renamed into place.
+        next_checkpoint, deadline = ckpt / f"round-{stopped_at + 1:06d}", time.monotonic() + 60.0
+        while not next_checkpoint.is_dir():
+            assert fourth.alive() and time.monotonic() < deadline, fourth.tail()
+            time.sleep(0.01)
         time.sleep(random.uniform(0.0, 1.5))
         kill_tree(fourth)
         assert finish(fourth) == -signal.SIGKILL
@@ -134,6 +149,16 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         assert "resumed after round" in log and f"resumed after round {max(kept)}" not in log
         assert (run_dir / "final_model.safetensors").read_bytes() == reference.result()
         assert committed(ckpt) == ROUNDS  # the killed writer's leftovers were cleaned up
+
+
+def _pause_ray_control_store(run: Proc) -> int:
+    """SIGSTOP to the run's Ray control store (``gcs_server``); its pid. Ray's calls to it then hang."""
+    for pid, _ in descendants(run.pid):
+        with contextlib.suppress(OSError):
+            if b"gcs_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGSTOP)
+                return pid
+    raise AssertionError(f"no gcs_server among the run's processes\n{run.tail()}")
 
 
 def test_a_client_process_dying_inside_the_clientapp_counts_as_dropped_and_the_run_completes(tmp_path: Path) -> None:
