@@ -124,6 +124,10 @@ class FaultConfig:
     # Sample this many extra clients and stop at the first clients_per_round valid replies
     # (timing-dependent: a run with over-selection is not bit-for-bit reproducible).
     over_select: int = 0
+    # Once the round's valid replies are enough for the rule, wait at most this many more seconds for
+    # the rest (0: until all are in or round_timeout). A dead node then costs a round this long, not
+    # the whole deadline; timing-dependent when it cuts a round, like over_select.
+    grace_after_quorum: float = 0.0
     # Retries of a round that got fewer valid replies than the rule needs.
     max_round_retries: int = 2
     # Seconds to wait for enough nodes to connect before giving up.

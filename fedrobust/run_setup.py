@@ -319,6 +319,7 @@ def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "validation.max_num_examples", cfg.validation.max_num_examples, 1)
     _positive(problems, "fault.round_timeout", cfg.fault.round_timeout)
     _at_least(problems, "fault.over_select", cfg.fault.over_select, 0)
+    _at_least(problems, "fault.grace_after_quorum", cfg.fault.grace_after_quorum, 0, " (0: off)")
     _at_least(problems, "fault.max_round_retries", cfg.fault.max_round_retries, 0)
     _at_least(problems, "fault.wait_for_nodes", cfg.fault.wait_for_nodes, 0)
     live = cfg.liveness

@@ -1,8 +1,9 @@
 """Push messages, then pull replies until they are all in, a quorum is met, or a deadline passes.
 
 Flower's ``send_and_receive`` blocks until every reply or the timeout; this loop
-can stop as soon as enough replies are in (over-selection) and never waits
-without bound.
+can stop as soon as enough replies are in (over-selection), can give the rest only a
+grace period once the round can be aggregated (a dead node then costs the round that
+grace, not the whole deadline), and never waits without bound.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def push_and_collect(
     enough: Callable[[list[Message]], bool] | None = None,
     on_pushed: Callable[[dict[str, int]], None] | None = None,
     on_reply: Callable[[Message], None] | None = None,
+    quorum: Callable[[], bool] | None = None,
+    grace: float = 0.0,
 ) -> tuple[dict[str, int], list[Message]]:
     """Send ``messages`` and gather their replies.
 
@@ -45,6 +48,11 @@ def push_and_collect(
     on_reply : callable, optional
         Called with each reply as soon as it is pulled (the strategy checks it and writes its row
         then, while the other nodes are still training).
+    quorum : callable, optional
+        Whether the replies taken so far can be aggregated; once it first says so, the missing
+        replies get at most ``grace`` more seconds (never beyond ``timeout``).
+    grace : float
+        Seconds the missing replies are waited for once ``quorum`` is met.
 
     Returns
     -------
@@ -63,6 +71,7 @@ def push_and_collect(
     replies: list[Message] = []
     deadline = time.monotonic() + timeout
     ended_early = False
+    quorum_met = cut_by_grace = False
     while pending and time.monotonic() < deadline:
         for reply in grid.pull_messages(list(pending)):
             pending.discard(reply.metadata.reply_to_message_id)
@@ -72,8 +81,14 @@ def push_and_collect(
         if enough is not None and enough(replies):
             ended_early = True  # enough replies, or a stop request: the rest did not miss a deadline
             break
+        if pending and quorum is not None and not quorum_met and quorum():
+            quorum_met = True
+            if time.monotonic() + grace < deadline:
+                deadline, cut_by_grace = time.monotonic() + grace, True
+                log.info("quorum met: waiting at most %.0f s for the %d missing replies", grace, len(pending))
         if pending:
             time.sleep(POLL_SECONDS)
     if pending and not ended_early:
-        log.info("%d of %d replies missed the %.0f s deadline", len(pending), len(sent), timeout)
+        waited = f"{grace:.0f} s grace after quorum" if cut_by_grace else f"{timeout:.0f} s deadline"
+        log.info("%d of %d replies missed the %s", len(pending), len(sent), waited)
     return sent, replies

@@ -72,6 +72,7 @@ def strategy_from_config(
         round_deadline=cfg.fault.round_timeout,
         max_round_retries=cfg.fault.max_round_retries,
         over_select=cfg.fault.over_select,
+        grace_after_quorum=cfg.fault.grace_after_quorum,
         wait_for_nodes=cfg.fault.wait_for_nodes,
         liveness=cfg.liveness,
         divergence_factor=cfg.guard.divergence_factor,

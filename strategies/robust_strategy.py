@@ -165,6 +165,12 @@ class RoundIntake:
             self._matrix = self._strategy._matrix_for(len(self._rows))
         return self._matrix
 
+    def can_aggregate(self) -> bool:
+        """Whether the replies accepted so far are enough for the rule (with ``f`` lowered by the
+        nodes proven faulty so far), i.e. whether :meth:`close` would aggregate now."""
+        rule, _ = self._strategy._rule_after(self.outcome)
+        return len(self._accepted) >= rule.min_n()
+
     def close(self) -> RoundOutcome:
         """Aggregate the accepted replies, in the fixed order; the outcome of the round."""
         rows = sorted(self._accepted)
@@ -230,6 +236,12 @@ class RobustStrategy(Strategy):
         Retries of a round that got fewer valid replies than the rule needs, before stopping.
     over_select : int
         Extra nodes sampled per round; the round ends at the first planned number of replies.
+    grace_after_quorum : float
+        Once the valid replies of a round are enough for the rule, the missing ones are waited for at
+        most this many more seconds (never past the deadline); they then count as dropped, like a
+        missed deadline. 0: always wait until every reply is in or the deadline passes. A node that
+        died then costs a round this grace instead of the whole deadline; a run in which the grace
+        cut a round short is timing-dependent, so not reproducible bit for bit.
     wait_for_nodes : float
         Seconds to wait for ``min_available_nodes`` before giving up (Flower waits forever).
     liveness : LivenessConfig or mapping, optional
@@ -315,6 +327,7 @@ class RobustStrategy(Strategy):
         round_deadline: float | None = None,
         max_round_retries: int = 2,
         over_select: int = 0,
+        grace_after_quorum: float = 0.0,
         wait_for_nodes: float = 120.0,
         liveness: LivenessConfig | Mapping[str, int] | None = None,
         divergence_factor: float = 10.0,
@@ -363,6 +376,7 @@ class RobustStrategy(Strategy):
                f"max_update_norm must be > 0 (None: no bound), got {max_update_norm!r}")
         _check(round_deadline is None or round_deadline > 0, f"round_deadline must be > 0 s, got {round_deadline!r}")
         _check(wait_for_nodes >= 0, f"wait_for_nodes must be >= 0 s, got {wait_for_nodes!r}")
+        _check(grace_after_quorum >= 0, f"grace_after_quorum must be >= 0 s (0: off), got {grace_after_quorum!r}")
         _check(divergence_factor == 0 or divergence_factor > 1,
                f"divergence_factor must be > 1 (0: off), got {divergence_factor!r}")
         _check(0 < lr_decay <= 1, f"lr_decay must be in (0, 1], got {lr_decay!r}")
@@ -428,6 +442,7 @@ class RobustStrategy(Strategy):
         self.round_deadline = round_deadline
         self.max_round_retries = max_round_retries
         self.over_select = over_select
+        self.grace_after_quorum = grace_after_quorum
         self.wait_for_nodes = wait_for_nodes
         live = liveness if isinstance(liveness, LivenessConfig) else LivenessConfig(**dict(liveness or {}))
         self.liveness_config = live
@@ -632,12 +647,7 @@ class RobustStrategy(Strategy):
             accepted = self._run_hook(server_round, accepted, matrix, outcome)
         outcome.accepted = [u.node_id for u in accepted]
         outcome.train_metrics = _mean_metrics(accepted)
-        # Nodes proven faulty (a reply rejected this round, or quarantined for earlier ones) are
-        # Byzantine nodes the rule no longer has to outvote among the accepted rows.
-        proven = {e["node"] for e in outcome.rejected_nodes}
-        proven.update(n for n in self.liveness.known_nodes() if self.liveness.status(n) == "quarantined")
-        f_used = max(0, self.num_byzantine - len(proven))
-        rule = self._rule_for(f_used)
+        rule, f_used = self._rule_after(outcome)
         outcome.f_used = f_used
         need = rule.min_n()
         if len(accepted) < need:
@@ -675,6 +685,15 @@ class RobustStrategy(Strategy):
         if missing:
             raise ValueError(f"server_update_fn returned no array for {missing[:3]}; it must be keyed like the model")
         return flatten([update], matrix.keys)[0]
+
+    def _rule_after(self, outcome: RoundOutcome) -> tuple[aggregators.Aggregator, int]:
+        """The rule for the round so far, and its ``f``: nodes proven faulty (a reply rejected this
+        round, or quarantined for earlier ones) are Byzantine nodes the rule no longer has to outvote
+        among the accepted rows."""
+        proven = {e["node"] for e in outcome.rejected_nodes}
+        proven.update(n for n in self.liveness.known_nodes() if self.liveness.status(n) == "quarantined")
+        f = max(0, self.num_byzantine - len(proven))
+        return self._rule_for(f), f
 
     def _rule_for(self, f: int) -> aggregators.Aggregator:
         """The configured pipeline with ``f`` (a lower f after rejections); state shared with the main one."""

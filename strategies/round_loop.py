@@ -273,6 +273,8 @@ class RoundLoop:
                 enough=self._enough_replies(s.planned_replies),
                 on_pushed=intake.expect,
                 on_reply=intake.take,
+                quorum=intake.can_aggregate if s.grace_after_quorum > 0 else None,
+                grace=s.grace_after_quorum,
             )
             self._take_client_states(replies)
             outcome = intake.close()

@@ -94,6 +94,7 @@ WRONG: dict[str, Wrong] = {
                            ("attack=sign_flip",)),
     "fault.round_timeout": Wrong("0.0", "0.0", "must be > 0"),
     "fault.over_select": Wrong("-1", "-1", "must be >= 0"),
+    "fault.grace_after_quorum": Wrong("-5.0", "-5.0", "must be >= 0 (0: off)"),
     "fault.max_round_retries": Wrong("-1", "-1", "must be >= 0"),
     "fault.wait_for_nodes": Wrong("-1.0", "-1.0", "must be >= 0"),
     "liveness.suspect_after": Wrong("0", "0", "must be >= 1"),

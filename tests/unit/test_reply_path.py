@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -342,3 +343,85 @@ def test_update_matrix_rows_written_out_of_order_are_kept_in_order() -> None:
         matrix.add(local[1], full_weights=True, row=1)
     with pytest.raises(ValueError, match="outside 0..4"):
         UpdateMatrix(state, 5).add(local[1], full_weights=True, row=5)
+
+
+class _Network:
+    """A grid's transport for :func:`push_and_collect`: each reply can be pulled ``at`` seconds after
+    the push; a message without a reply here goes to a node that died (it never answers)."""
+
+    def __init__(self, replies: dict[str, tuple[float, Message]]) -> None:
+        self._replies = replies
+        self._pushed_at = 0.0
+
+    def push_messages(self, messages: list[Message]) -> list[str]:
+        self._pushed_at = time.monotonic()
+        return [m.metadata.message_id for m in messages]
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        now = time.monotonic() - self._pushed_at
+        due = [mid for mid in message_ids if mid in self._replies and self._replies[mid][0] <= now]
+        return [self._replies.pop(mid)[1] for mid in due]
+
+
+def _round_with_dead_nodes(strategy: RobustStrategy, arrivals: dict[int, float]) -> tuple[list[Message], object]:
+    """Round 1 of ``strategy`` to N nodes, node ``i`` answering ``arrivals[i]`` s after the push (node 3 with
+    NaN, which validation rejects); the nodes not in ``arrivals`` never answer. The messages and the intake."""
+    state = _global()
+    instructions = _instructions(strategy, state, N, 1)
+    records = [ArrayRecord(s) for s in _locals(state, N, seed=5)]
+    nan = records[3]["fc.bias"].numpy().copy()
+    nan[0] = float("nan")
+    records[3]["fc.bias"] = Array(nan)
+    network = _Network({
+        instructions[i].metadata.message_id: (at, _reply(instructions[i], records[i], 20)) for i, at in arrivals.items()
+    })
+    return instructions, network
+
+
+def test_the_quorum_counts_valid_replies_against_f_lowered_by_the_rejected_ones() -> None:
+    # The median with f=2 needs 2f+1 = 5 rows; one proven faulty node lowers f to 1: 3 rows.
+    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions, network = _round_with_dead_nodes(strategy, dict.fromkeys(range(N), 0.0))
+    intake = strategy.open_round(1, [m.metadata.dst_node_id for m in instructions])
+    intake.expect({m.metadata.message_id: m.metadata.dst_node_id for m in instructions})
+    replies = network.pull_messages([m.metadata.message_id for m in instructions])
+    quorum = []
+    for i in (0, 1, 2, 3, 4):
+        intake.take(replies[i])
+        quorum.append(intake.can_aggregate())
+    assert quorum == [False, False, False, True, True]  # 3 valid and f=1 after node 3's NaN
+    outcome = intake.close()
+    assert outcome.aggregated and outcome.f_used == 1 and outcome.accepted == [100, 101, 102, 104]
+
+
+@pytest.mark.parametrize("grace", [0.0, 1.0])
+def test_after_the_quorum_missing_replies_get_only_the_grace(grace: float) -> None:
+    """Nodes 0-5 answer at once (node 3 rejected: f=1, 3 rows needed, 5 valid), node 6 within the grace,
+    node 7 after it, node 8 never (dead). With a grace the round ends a grace after the quorum; without
+    one, at the deadline."""
+    from fedrobust.strategies.collect import push_and_collect
+
+    deadline = 4.0
+    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions, network = _round_with_dead_nodes(strategy, {**dict.fromkeys(range(6), 0.0), 6: 0.3, 7: 2.5})
+    intake = strategy.open_round(1, [m.metadata.dst_node_id for m in instructions])
+    started = time.monotonic()
+    sent, replies = push_and_collect(
+        network,  # type: ignore[arg-type]  # the two calls push_and_collect makes of a Grid
+        instructions,
+        timeout=deadline,
+        on_pushed=intake.expect,
+        on_reply=intake.take,
+        quorum=intake.can_aggregate if grace > 0 else None,
+        grace=grace,
+    )
+    waited = time.monotonic() - started
+    answered = sorted(sent[r.metadata.reply_to_message_id] for r in replies)
+    outcome = intake.close()
+    if grace:
+        assert answered == [100, 101, 102, 103, 104, 105, 106]  # node 106 came within the grace
+        assert grace <= waited < 2.5  # ended by the grace, before node 107 answered
+    else:
+        assert answered == [100, 101, 102, 103, 104, 105, 106, 107]
+        assert waited >= deadline  # node 108 was waited for until the deadline
+    assert outcome.aggregated and outcome.accepted == [n for n in answered if n != 103]
