@@ -223,13 +223,17 @@ def test_shipped_flwr_app_has_no_byzantine_clients() -> None:
     assert drill["tool"]["flwr"]["app"]["components"]["clientapp"] == "fedrobust.clients.byzantine_app:app"
 
 
-def test_fab_ships_only_what_runs() -> None:
+def test_fab_ships_only_what_runs(tmp_path: Path) -> None:
     import io
     import zipfile
 
     from flwr.cli.build import build_fab_from_disk
 
+    from tests.support.flower_processes import app_copy
+
     fab = build_fab_from_disk(REPO)
+    # The slow tests run `flwr run` on such a copy: the same FAB, without walking .venv.
+    assert build_fab_from_disk(app_copy(REPO, tmp_path / "app")) == fab
     names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"pyproject.toml", ".info", "fedrobust", "strategies", "clients"}, tops
@@ -300,8 +304,8 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
     """`flwr run .` on a local simulation SuperLink, the user's module on the nodes' PYTHONPATH."""
     import os
 
-    from tests.process.test_flwr_run import FEDERATION, _run_status
-    from tests.support.flower_processes import FlowerProcesses, executable, write_flwr_home
+    from tests.process.test_flwr_run import FEDERATION, _run_status, _state
+    from tests.support.flower_processes import FlowerProcesses, app_copy, descendants, executable, write_flwr_home
     from tests.support.simulation import federation_options
 
     out = tmp_path / "out"
@@ -321,7 +325,8 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
         )
         started = time.monotonic()
         res = subprocess.run(
-            [executable("flwr"), "run", ".", FEDERATION, "--stream", "--run-config", run_config],
+            [executable("flwr"), "run", str(app_copy(REPO, tmp_path / "app")), FEDERATION, "--stream",
+             "--run-config", run_config],
             cwd=REPO,
             env=fp.env(),
             capture_output=True,
@@ -333,7 +338,11 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
         match = re.search(r"Successfully started run (\d+)", res.stdout)
         assert match, report
         assert _run_status(fp, int(match.group(1))).endswith("completed"), report
+        tree = {link.pid} | {pid for pid, _ in descendants(link.pid)}
         fp.stop(link)
+    # Stopping the SuperLink ends everything it started (SuperExec, flwr-simulation, Ray's processes).
+    left = [pid for pid in tree if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
+    assert not left, f"processes of the SuperLink still running: {left}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["round"] for r in rows] == [1, 2, 3] and rows[-1]["accuracy"] > 0.5, rows  # chance: 0.1
     resolved = json.loads((out / "resolved_config.json").read_text())

@@ -77,7 +77,7 @@ from tests.process.test_deployment import (
     device_node_config,
     start_devices,
 )
-from tests.support.flower_processes import FlowerProcesses, Proc, descendants
+from tests.support.flower_processes import FlowerProcesses, Proc, app_copy, descendants
 
 NUM_ROUNDS = 2
 # Three devices: what is tested is the crashes and the resume, which need no more. Every message starts a
@@ -188,6 +188,7 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
     run_logs = {name: logs / f"flwr-run-{name}.log" for name in ("a", "b", "c")}
     runs: dict[str, subprocess.Popen[str]] = {}
     seconds: dict[str, float] = {}
+    app = app_copy(REPO, tmp_path / "app")  # the operator's `flwr run .`, without walking .venv each time
     nodes: list[Proc] = []
 
     with ThreadPoolExecutor(1) as pool, FlowerProcesses(tmp_path) as fp, _ProcessCensus(fp) as census:
@@ -208,7 +209,7 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
 
             # 1. Run A: SIGKILL to the ServerApp once round 1 is committed.
             t0 = time.monotonic()
-            runs["a"] = _start_run(fp, REPO, _config(out, ckpt), run_logs["a"])
+            runs["a"] = _start_run(fp, app, _config(out, ckpt), run_logs["a"])
             # A round-* directory is renamed into place complete: its existence is the commit.
             _wait("round 1 committed", (ckpt / "round-000001").is_dir, runs["a"], run_logs["a"], fp)
             # Round 2 in flight: its train message whole on every SuperNode. (Killed while it sends them,
@@ -230,7 +231,7 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
             # 2. Run B, as the operator recovers: the same flwr run. SIGKILL to the SuperLink once round 2
             #    reached every SuperNode.
             t0 = time.monotonic()
-            runs["b"] = _start_run(fp, REPO, _config(out, ckpt), run_logs["b"])
+            runs["b"] = _start_run(fp, app, _config(out, ckpt), run_logs["b"])
             _wait("run B started", lambda: "Successfully started run" in run_logs["b"].read_text(),
                   runs["b"], run_logs["b"], fp)
             run_b = _run_id(run_logs["b"])
@@ -248,7 +249,7 @@ def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted
             _wait_online(fp, node_ids, nodes)
             seconds["restart"] = time.monotonic() - t0
             t0 = time.monotonic()
-            runs["c"] = _start_run(fp, REPO, _config(out, ckpt), run_logs["c"])
+            runs["c"] = _start_run(fp, app, _config(out, ckpt), run_logs["c"])
             runs["c"].wait(timeout=RUN_TIMEOUT)
             output_c = _finish_run(fp, runs["c"], run_logs["c"])
             seconds["run C"] = time.monotonic() - t0

@@ -1,15 +1,20 @@
-"""``flwr run .`` end to end: our own simulation SuperLink, a temp FLWR_HOME, the real app.
+"""``flwr run`` end to end: our own simulation SuperLink, a temp FLWR_HOME, a real app.
 
-This is the second way users run fedrobust (design.md): the ServerApp/ClientApp declared
-in pyproject.toml, packed into a FAB by ``flwr run`` and executed by a SuperLink started
-with ``--simulation``. The SuperLink is started here (not through a ``:local:`` address,
-which would leave a detached SuperLink behind) on a free port, and stopped by pid.
+This is the second way users run fedrobust (design.md): a ServerApp/ClientApp declared in a
+pyproject.toml, packed into a FAB by ``flwr run`` and executed by a SuperLink started with
+``--simulation``. The SuperLink is started here (not through a ``:local:`` address, which would
+leave a detached SuperLink behind) on a free port, and stopped by pid.
+
+Here: the helpers' plumbing, the run config keys the tests override, and the quickstart example
+(a Flower app built on the public API only). The project's own app runs under ``flwr run`` in
+tests/integration/test_components.py (from scratch, with a user's components) and
+tests/process/test_flwr_run_signals.py (stopped by signals and resumed to the bytes of an
+uninterrupted run).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import subprocess
 import time
@@ -28,13 +33,14 @@ from tests.support.simulation import federation_options
 
 REPO = Path(__file__).resolve().parents[2]
 FEDERATION = "fedrobust-sim"
-NUM_ROUNDS = 2
-NUM_CLIENTS = 5
-NUM_BYZANTINE = 1  # only the f the rule tolerates (attack.name defaults to 'none'); f=1 fits 5 clients per round
 RUN_TIMEOUT = 240.0  # seconds; a healthy run takes well under a minute
 
 
-OVERRIDDEN_KEYS = {"num_rounds", "num_clients", "num_byzantine", "clients_per_round", "output_dir"}
+# What the slow tests' `flwr run --run-config` sets on the project's app.
+OVERRIDDEN_KEYS = {
+    "num_rounds", "num_clients", "num_byzantine", "clients_per_round", "output_dir", "client.local_epochs",
+    "checkpoint.dir", "checkpoint.every_rounds", "model._target_", "dataset._target_", "aggregator._target_",
+}
 
 
 def _missing_run_config_keys() -> list[str]:
@@ -113,67 +119,6 @@ def test_pyproject_declares_the_run_config_keys_flwr_run_overrides() -> None:
     ``[tool.flwr.app.config]`` (flwr.common.config.fuse_dicts(check_keys=True))."""
     missing = _missing_run_config_keys()
     assert not missing, MISSING_KEYS_MESSAGE.format(missing)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(360)
-def test_flwr_run_local_simulation(tmp_path: Path) -> None:
-    missing = _missing_run_config_keys()
-    assert not missing, MISSING_KEYS_MESSAGE.format(missing)  # fail before starting any process
-    out = tmp_path / "out"  # absolute: the ServerApp runs in the SuperLink's subprocess, cwd tmp_path
-    with FlowerProcesses(tmp_path) as fp:
-        link = fp.start_superlink(simulation=True)
-        tree_pids = {link.pid}
-        write_flwr_home(
-            tmp_path,
-            FEDERATION,
-            link.address,
-            options=federation_options(NUM_CLIENTS),
-        )
-        run_config = (
-            f"num_rounds={NUM_ROUNDS} num_clients={NUM_CLIENTS} num_byzantine={NUM_BYZANTINE} "
-            f"clients_per_round={NUM_CLIENTS} output_dir='{out}'"
-        )
-        started = time.monotonic()
-        try:
-            res = subprocess.run(
-                [executable("flwr"), "run", ".", FEDERATION, "--stream", "--run-config", run_config],
-                cwd=REPO,
-                env=fp.env(),
-                capture_output=True,
-                text=True,
-                timeout=RUN_TIMEOUT,
-            )
-        except subprocess.TimeoutExpired as err:
-            pytest.fail(f"flwr run did not finish in {RUN_TIMEOUT:.0f}s\n{err.stdout}\n{err.stderr}\n{fp.tails()}")
-        seconds = time.monotonic() - started
-        report = f"flwr run ({seconds:.1f}s) stdout:\n{res.stdout}\nstderr:\n{res.stderr}\n{fp.tails()}"
-        assert res.returncode == 0, report
-
-        # `flwr run --stream` exits 0 even when the ServerApp raised: ask the SuperLink.
-        match = re.search(r"Successfully started run (\d+)", res.stdout)
-        assert match, report
-        status = _run_status(fp, int(match.group(1)))
-        assert status.endswith("completed"), f"run status {status!r}\n{report}"
-
-        tree_pids |= {pid for pid, _ in descendants(link.pid)}
-        fp.stop(link)
-        assert fp.exit_codes["superlink"] is not None
-
-    assert not link.alive()
-    left = [pid for pid in tree_pids if Path(f"/proc/{pid}").exists() and _state(pid) != "Z"]
-    assert not left, f"processes of the SuperLink still running: {left}"
-
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["round"] for r in rows] == list(range(1, NUM_ROUNDS + 1)), rows
-    for row in rows:
-        assert isinstance(row["accuracy"], float) and 0.0 <= row["accuracy"] <= 1.0, row
-        assert math.isfinite(row["loss"]), row
-    assert (out / "final_model.safetensors").stat().st_size > 0
-    resolved = json.loads((out / "resolved_config.json").read_text())  # the overrides reached the ServerApp
-    assert (resolved["num_rounds"], resolved["num_clients"], resolved["num_byzantine"]) == (
-        NUM_ROUNDS, NUM_CLIENTS, NUM_BYZANTINE
-    )
 
 
 @pytest.mark.slow

@@ -38,7 +38,14 @@ from pathlib import Path
 import pytest
 
 from tests.process.test_fault_processes import committed, wait_for
-from tests.support.flower_processes import FlowerProcesses, Proc, descendants, executable, write_flwr_home
+from tests.support.flower_processes import (
+    FlowerProcesses,
+    Proc,
+    app_copy,
+    descendants,
+    executable,
+    write_flwr_home,
+)
 from tests.support.simulation import federation_options
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +65,8 @@ def _flwr_run(fp: FlowerProcesses, out: Path, ckpt: Path, name: str) -> Proc:
     log = fp.tmp_path / f"{name}.log"
     with log.open("ab") as sink:
         popen = subprocess.Popen(
-            [executable("flwr"), "run", ".", FEDERATION, "--stream", "--run-config", _run_config(out, ckpt)],
+            [executable("flwr"), "run", str(app_copy(REPO, fp.tmp_path / "app")), FEDERATION, "--stream",
+             "--run-config", _run_config(out, ckpt)],
             cwd=REPO, env=fp.env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return Proc(name=name, popen=popen, log_path=log)

@@ -54,6 +54,32 @@ OFFLINE_ENV = {
 TlsFiles = tuple[Path, Path, Path]  # (ca certificate, server certificate, server private key)
 
 
+# --------------------------------------------------------------------------- the app `flwr run` packs
+
+
+def app_copy(root: Path, dest: Path) -> Path:
+    """``dest``: the Flower app at ``root`` as its FAB holds it, ``pyproject.toml`` and the files its
+    ``fab-include`` names (plus ``.gitignore``), for ``flwr run dest``.
+
+    ``flwr run <dir>`` first walks every file under ``dir`` (Flower's ``collect_files``), ``.venv``'s
+    ~60,000 included when ``dir`` is this repository: 4.5 CPU-s per run on the 2-core CI machine. The
+    FAB built from the copy has the same bytes (tests/integration/test_components.py checks it).
+    """
+    import shutil
+    import tomllib
+
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    patterns = project["tool"]["flwr"]["app"]["fab-include"]
+    files = {"pyproject.toml", ".gitignore"} | {
+        path.relative_to(root).as_posix() for pattern in patterns for path in root.glob(pattern) if path.is_file()
+    }
+    for name in sorted(files):
+        if (root / name).exists():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, dest / name)
+    return dest
+
+
 # --------------------------------------------------------------------------- ports, env
 
 
