@@ -9,6 +9,33 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from tests.support.ordering import balanced_order
+
 # No update check and no dependency installation from any Flower process a test starts (no network here).
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+
+
+# ------------------------------------------------------------------ the slow tier's order
+# The slow tier runs two tests at a time (tests/run.sh, --dist worksteal). xdist hands the workers
+# contiguous parts of the collection, worker i `remaining // (workers - i)` tests, and when one runs
+# dry it moves the tail of the other's queue to it. In collection order the longest tests (100-120 s
+# each) could sit in one part, or start last and run alone while the other core idles: the tier took
+# 352 s and 411 s in two runs of the same tests. Each test's `slow(seconds=...)` (about its time in the
+# tier) orders them as a scheduler would: longest first, each to the part with the least time so far
+# (parts sized as xdist cuts them), each part ending with its shortest tests (what is stolen). Tests
+# without an estimate count as 0 s.
+
+
+def _estimated_seconds(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("slow")
+    return float(marker.kwargs.get("seconds", 0.0)) if marker is not None else 0.0
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected: order only what runs
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set in each xdist worker
+    if workers >= 2 and any(_estimated_seconds(item) for item in items):
+        items[:] = balanced_order(items, _estimated_seconds, workers)

@@ -23,5 +23,6 @@ echo "== fast tier"
 echo "== slow tier"
 # Two at a time: while one test's processes wait (heartbeats, deadlines, Ray starting), the other's use
 # the CPU: 1.86 of 2 cores busy on average, against 1.4-1.6 for one such test alone. More workers only
-# slow each test down (3 on 2 cores: each 2-3x slower). Work stealing keeps both busy to the end.
+# slow each test down (3 on 2 cores: each 2-3x slower). The longest start first, split between the two
+# by their estimated time (tests/conftest.py); work stealing keeps both busy to the end.
 "$py" -m pytest -q -m slow -n 2 --dist worksteal --durations=10

@@ -298,7 +298,7 @@ def test_bad_target_exits_before_the_run_on_the_command_line(tmp_path: Path) -> 
     assert "model._target_=fr_no_such_pkg.Net: cannot import" in res.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=30)
 @pytest.mark.timeout(360)
 def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) -> None:
     """`flwr run .` on a local simulation SuperLink, the user's module on the nodes' PYTHONPATH."""

@@ -118,7 +118,7 @@ def robust_server(checkpoint_dir: Path, results: dict[str, Result]) -> ServerApp
     return server
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=35)
 @pytest.mark.timeout(300)
 def test_a_flower_style_app_trains_robustly_and_resumes(tmp_path: Path) -> None:
     results: dict[str, Result] = {}

@@ -16,7 +16,7 @@ from fedrobust.config import RunConfig
 from fedrobust.strategies.server_app import make_server_app
 from tests.support.simulation import ray_backend, read_rows, small_config, tampering_client
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(seconds=45)
 
 
 def _run(cfg: RunConfig, client_app, actors: int = 1) -> None:

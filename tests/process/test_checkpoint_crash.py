@@ -28,7 +28,10 @@ import torch
 
 from fedrobust.checkpoint import CheckpointStore, MirroredStore
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")]
+pytestmark = [
+    pytest.mark.slow(seconds=10),  # each mode
+    pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL"),
+]
 
 _WRITER = r"""
 import json

@@ -307,7 +307,7 @@ def _kill_device(proc: Proc) -> None:
     proc.popen.wait(timeout=10.0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=100)
 @pytest.mark.timeout(900)
 def test_deployment_signed_drill_with_forger_byzantine_and_killed_node(tmp_path: Path) -> None:
     started = time.monotonic()

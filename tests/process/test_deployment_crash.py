@@ -165,7 +165,7 @@ def _received_train(node: Proc, run_id: int, count: int = 1) -> bool:
     return len(starts) >= count and "Received successfully" in text[starts[count - 1] :]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)
 @pytest.mark.timeout(1500)
 def test_serverapp_then_superlink_killed_resume_to_the_bytes_of_an_uninterrupted_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

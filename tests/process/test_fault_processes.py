@@ -73,6 +73,7 @@ ROUNDS = 10
 ON_STOP_ONLY = "checkpoint.every_rounds=0"
 
 
+@pytest.mark.slow(seconds=95)
 def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(tmp_path: Path) -> None:
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
 
@@ -161,6 +162,7 @@ def _pause_ray_control_store(run: Proc) -> int:
     raise AssertionError(f"no gcs_server among the run's processes\n{run.tail()}")
 
 
+@pytest.mark.slow(seconds=20)
 def test_a_client_process_dying_inside_the_clientapp_counts_as_dropped_and_the_run_completes(tmp_path: Path) -> None:
     """os._exit in one node's ClientApp kills its simulation worker (a Ray actor process) in round 2.
 

@@ -121,7 +121,7 @@ def test_pyproject_declares_the_run_config_keys_flwr_run_overrides() -> None:
     assert not missing, MISSING_KEYS_MESSAGE.format(missing)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=25)
 @pytest.mark.timeout(360)
 def test_quickstart_robust_example_trains_under_flwr_run(tmp_path: Path) -> None:
     """examples/quickstart-robust (a Flower app using only fedrobust's public API) trains offline."""

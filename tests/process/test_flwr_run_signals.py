@@ -151,7 +151,7 @@ def _reference(tmp_path: Path) -> bytes:
     return (tmp_path / "ref" / "final_model.safetensors").read_bytes()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=100)
 @pytest.mark.timeout(900)
 def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_path: Path) -> None:
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"

@@ -49,7 +49,7 @@ def _hits_and_misses(root: Path, cache: Path) -> dict[str, list[int]]:
     return result
 
 
-@pytest.mark.slow  # compiles the kernels once with an empty cache: 10-20 s
+@pytest.mark.slow(seconds=20)  # compiles the kernels once with an empty cache
 def test_a_copy_of_the_code_at_another_path_loads_the_kernels_compiled_by_the_first(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     first = _hits_and_misses(_copy_of_the_package(tmp_path / "a"), cache)
