@@ -19,14 +19,11 @@ os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
 
 # ------------------------------------------------------------------ the slow tier's order
-# The slow tier runs two tests at a time (tests/run.sh, --dist worksteal). xdist hands the workers
-# contiguous parts of the collection, worker i `remaining // (workers - i)` tests, and when one runs
-# dry it moves the tail of the other's queue to it. In collection order the longest tests (100-120 s
-# each) could sit in one part, or start last and run alone while the other core idles: the tier took
-# 352 s and 411 s in two runs of the same tests. Each test's `slow(seconds=...)` (about its time in the
-# tier) orders them as a scheduler would: longest first, each to the part with the least time so far
-# (parts sized as xdist cuts them), each part ending with its shortest tests (what is stolen). Tests
-# without an estimate count as 0 s.
+# The slow tier runs two tests at a time (tests/run.sh, --dist worksteal), each worker starting on a
+# contiguous part of the collection. In collection order the longest tests (100-120 s each) could sit in
+# one part, or start last and run alone while the other core idles: the same tests took 352 s and 411 s
+# in two CI runs. Each slow test's `slow(seconds=...)`, about its time in the tier, orders them longest
+# first into parts of about equal time (tests/support/ordering.py); tests without one count as 0 s.
 
 
 def _estimated_seconds(item: pytest.Item) -> float:
