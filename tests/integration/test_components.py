@@ -301,7 +301,8 @@ def test_bad_target_exits_before_the_run_on_the_command_line(tmp_path: Path) -> 
 @pytest.mark.slow(seconds=30)
 @pytest.mark.timeout(360)
 def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) -> None:
-    """`flwr run .` on a local simulation SuperLink, the user's module on the nodes' PYTHONPATH."""
+    """The project's app under `flwr run` (on app_copy: the FAB of `flwr run .`) on a local simulation
+    SuperLink, the user's module on the nodes' PYTHONPATH; stopping the SuperLink ends all it started."""
     import os
 
     from tests.process.test_flwr_run import FEDERATION, _run_status, _state
