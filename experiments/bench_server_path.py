@@ -80,6 +80,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from fedrobust import aggregators
+from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import check_num_examples
 from strategies.reply_arrays import array_views
@@ -237,12 +238,14 @@ class _BenchGrid:
 
 
 def robust_strategy(
-    rule: str, n: int, f: int, state: dict[str, torch.Tensor]
+    rule: str, n: int, f: int, state: dict[str, torch.Tensor], device: str = "cpu"
 ) -> tuple[RobustStrategy, list[Message]]:
     """The real ``RobustStrategy`` after ``configure_train`` (it needs the global model it sent)."""
     from strategies.robust_strategy import RobustStrategy
 
-    strategy = RobustStrategy(aggregator=rule, num_byzantine=f, min_train_nodes=n, progress=False)
+    strategy = RobustStrategy(
+        aggregator=rule, num_byzantine=f, min_train_nodes=n, progress=False, aggregation_device=device
+    )
     grid = _BenchGrid([1000 + i for i in range(n)])
     # _BenchGrid has the part of the Grid interface that configure_train uses.
     instructions = list(strategy.configure_train(1, ArrayRecord(state), ConfigRecord({}), cast("Grid", grid)))
@@ -284,7 +287,7 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def run_child(entry: str, n: int, d_model: str, rounds: int) -> list[dict[str, float]]:
+def run_child(entry: str, n: int, d_model: str, rounds: int, device: str = "cpu") -> list[dict[str, float]]:
     """Build the replies, warm up, then time aggregate_train and its peak extra RSS, per round.
 
     Round 2 (and later) calls the same strategy object on freshly built replies: what a
@@ -297,7 +300,7 @@ def run_child(entry: str, n: int, d_model: str, rounds: int) -> list[dict[str, f
     if entry.startswith("flower_"):
         fn = flower_strategy(entry, n, f)
     elif entry.startswith(("strategy:", "streamed:", "arriving:")):
-        strategy, instructions = robust_strategy(entry.split(":", 1)[1], n, f, state)
+        strategy, instructions = robust_strategy(entry.split(":", 1)[1], n, f, state, device)
         aggregators.build(entry.split(":", 1)[1], f=1)(torch.randn(8, 16))  # numba kernels: not timed
         fn = strategy.aggregate_train
     else:
@@ -365,11 +368,12 @@ def _arriving_round(
     return {"seconds": seconds, "peak_extra_bytes": peak - before, "replies_bytes": replies_bytes}
 
 
-def measure(entry: str, n: int, d_model: str, threads: int, rounds: int) -> list[dict[str, float]]:
+def measure(entry: str, n: int, d_model: str, threads: int, rounds: int, device: str) -> list[dict[str, float]]:
     """One fresh interpreter for one call per round."""
     env = {**os.environ, "BENCH_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "experiments.bench_server_path", "--child", entry, "--n", str(n)]
     cmd += ["--d-model", d_model, "--threads", str(threads), "--rounds", str(rounds)]
+    cmd += ["--aggregation-device", device]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{entry} failed:\n{done.stderr[-3000:]}")
@@ -433,12 +437,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds per process (round 2 reuses the strategy)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per entry; the fastest is shown")
     parser.add_argument("--threads", type=int, default=1, help="torch/BLAS/OpenMP threads per process (default 1)")
+    parser.add_argument(
+        "--aggregation-device", default="cpu",
+        help="RobustStrategy's aggregation_device for the strategy:/streamed:/arriving: entries (cpu, cuda, ...)",
+    )
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(run_child(args.child, args.n, args.d_model, args.rounds)))
+        print(json.dumps(run_child(args.child, args.n, args.d_model, args.rounds, args.aggregation_device)))
         return
     flower = [e for e in args.flower.split(",") if e]
     rules = [r for r in args.rules.split(",") if r]
@@ -447,11 +455,16 @@ def main(argv: list[str] | None = None) -> None:
             aggregators.build(rule, f=byzantine_count(args.n))
         except ValueError as err:
             raise SystemExit(str(err)) from None
+    try:
+        device = pick_device(args.aggregation_device)
+    except ValueError as err:
+        raise SystemExit(f"--aggregation-device: {err}") from None
+    on = f", rules on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     shapes = resnet18_shapes(MODEL_WIDTHS[args.d_model])
     print(
         f"n={args.n} replies, model {args.d_model}: {sum(math.prod(s) for s in shapes.values()):,} float32 in "
         f"{len(shapes)} tensors, f={byzantine_count(args.n)}, {args.threads} thread(s), torch {torch.__version__}, "
-        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}{on}"
     )
     entries = flower + (rules if args.bare else []) + ([f"strategy:{r}" for r in rules] if args.strategy else [])
     entries += [f"streamed:{r}" for r in rules] if args.streamed else []
@@ -459,7 +472,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[list[dict[str, float]]]] = {e: [] for e in entries}
     for _ in range(args.repeats):  # interleaved, so that load changes hit every entry alike
         for entry in entries:
-            results[entry].append(measure(entry, args.n, args.d_model, args.threads, args.rounds))
+            results[entry].append(
+                measure(entry, args.n, args.d_model, args.threads, args.rounds, args.aggregation_device)
+            )
             times = ", ".join(f"{r['seconds']:.3f}" for r in results[entry][-1])
             print(f"  {entry}: {times} s", file=sys.stderr, flush=True)
     rows: list[Row] = []

@@ -40,6 +40,8 @@ class AggregatorConfig:
     pre: str = ""
     params: dict[str, Any] = field(default_factory=dict)
     pre_params: dict[str, Any] = field(default_factory=dict)
+    # Where the rule runs (RobustStrategy's aggregation_device): cpu, cuda, cuda:N or auto.
+    device: str = "cpu"
     # Rules that need the server's own update each round (fltrust): the server trains, as a client does,
     # on this many examples drawn from the seed out of the training split (its root data set).
     root_size: int = 100

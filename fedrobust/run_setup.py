@@ -28,6 +28,7 @@ from fedrobust.config import (
 )
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import ServerOptimizer
+from fedrobust.training import pick_device
 
 
 def _problem(problems: list[str], key: str, value: Any, allowed: str) -> None:
@@ -129,6 +130,10 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     rule_key, rule_label = ("aggregator._target_", target) if target else ("aggregator.name", cfg.aggregator.name)
     rule_ok, pre_ok = _check_pipeline(cfg, problems)
     _at_least(problems, "aggregator.root_size", cfg.aggregator.root_size, 1)
+    try:  # the rule runs on the server, where this check runs
+        pick_device(cfg.aggregator.device)
+    except ValueError as err:
+        _problem(problems, "aggregator.device", cfg.aggregator.device, str(err))
     stray = sorted(set(cfg.aggregator.pre_params) - set(cfg.pre_aggregators()))
     if stray:
         _problem(problems, "aggregator.pre_params", cfg.aggregator.pre_params,

@@ -72,6 +72,10 @@ class UpdateMatrix:
         that are written count in the resident set.
     max_norm : float, optional
         Bound on the L2 norm of an update; 0 (default) disables the check.
+    pin_memory : bool, default False
+        Allocate the matrix in page-locked memory, for a server that aggregates on a CUDA device:
+        the rows then go to the device in one asynchronous copy. Page-locked memory is resident at
+        once (all ``capacity`` rows) and needs a CUDA build of torch.
 
     Notes
     -----
@@ -82,7 +86,9 @@ class UpdateMatrix:
     infinite in the row and the reply is rejected as ``non_finite``.
     """
 
-    def __init__(self, template: Mapping[str, torch.Tensor], capacity: int, *, max_norm: float = 0.0) -> None:
+    def __init__(
+        self, template: Mapping[str, torch.Tensor], capacity: int, *, max_norm: float = 0.0, pin_memory: bool = False
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"UpdateMatrix capacity must be >= 1, got {capacity}")
         if not max_norm >= 0:
@@ -104,7 +110,7 @@ class UpdateMatrix:
         self._global = torch.empty(self.dim, dtype=torch.float32)
         self._global_np = self._global.numpy()
         self.capacity = int(capacity)
-        self._matrix = torch.empty((self.capacity, self.dim), dtype=torch.float32)
+        self._matrix = torch.empty((self.capacity, self.dim), dtype=torch.float32, pin_memory=pin_memory)
         self._matrix_np = self._matrix.numpy()  # shares memory: NumPy ufuncs write into the rows
         self._norms = torch.zeros(self.capacity, dtype=torch.float64)
         self._len = 0

@@ -54,6 +54,7 @@ def strategy_from_config(
         num_byzantine=cfg.num_byzantine,
         pre=[{"name": p, **cfg.aggregator.pre_params.get(p, {})} for p in cfg.pre_aggregators()],
         aggregator_params=cfg.aggregator.params,
+        aggregation_device=cfg.aggregator.device,
         fraction_train=cfg.clients_per_round / cfg.num_clients,
         min_train_nodes=cfg.clients_per_round,
         min_available_nodes=cfg.clients_per_round,

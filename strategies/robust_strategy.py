@@ -40,6 +40,7 @@ from fedrobust.signing import TrustStore
 from fedrobust.strategies.replies import parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.tensors import flatten
+from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import Rejection, check_num_examples
 
@@ -226,6 +227,13 @@ class RobustStrategy(Strategy):
         Server learning rate.
     server_optimizer_params : mapping, optional
         ``momentum`` (fedavgm), ``beta_1``, ``beta_2``, ``tau`` (fedadam, fedyogi).
+    aggregation_device : str
+        Where the rule runs: ``"cpu"`` (default; the rules' compiled CPU kernels), ``"cuda"``,
+        ``"cuda:<index>"`` or ``"auto"`` (CUDA when available). Replies are always checked and written
+        into the update matrix on the CPU; for a CUDA device the matrix is page-locked and its rows go
+        to the device in one copy before the rule, whose aggregate comes back for the server step.
+        Float sums on another device may round differently: the same run gives the same bytes on
+        the same kind of device.
     max_update_norm : float, optional
         L2 bound on a reply's update; None: no bound (non-finite updates are always rejected).
     max_num_examples : int
@@ -322,6 +330,7 @@ class RobustStrategy(Strategy):
         server_optimizer: str = "fedavg",
         server_lr: float = 1.0,
         server_optimizer_params: Mapping[str, float] | None = None,
+        aggregation_device: str = "cpu",
         max_update_norm: float | None = None,
         max_num_examples: int = 1_000_000,
         round_deadline: float | None = None,
@@ -437,6 +446,10 @@ class RobustStrategy(Strategy):
         self.weight_by_num_examples = weight_by_num_examples
         self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, **dict(server_optimizer_params or {}))
         self.server_lr = server_lr
+        try:
+            self.aggregation_device = pick_device(aggregation_device)
+        except ValueError as err:
+            raise ValueError(f"aggregation_device: {err}") from err
         self.max_update_norm = max_update_norm
         self.max_num_examples = max_num_examples
         self.round_deadline = round_deadline
@@ -658,12 +671,16 @@ class RobustStrategy(Strategy):
         start = time.perf_counter()
         global_state = self._global
         assert global_state is not None and len(matrix) == len(accepted)
+        device = self.aggregation_device
         weights = None
         if self.weight_by_num_examples and rule.supports_weights:
-            weights = torch.tensor([float(u.num_examples) for u in accepted])
+            weights = torch.tensor([float(u.num_examples) for u in accepted], device=device)
         if rule.needs_server_update:
-            rule.set_server_update(self._server_update(server_round, global_state, matrix))
-        aggregate = self._call_rule(rule, matrix.rows(), weights)
+            rule.set_server_update(self._server_update(server_round, global_state, matrix).to(device))
+        # On a CUDA device: one asynchronous copy from the page-locked matrix; the rule's first kernel
+        # waits for it on the same stream. The aggregate's copy back synchronises.
+        rows = matrix.rows().to(device, non_blocking=True)
+        aggregate = self._call_rule(rule, rows, weights).to("cpu")
         if self._step_out is None or self._step_out.shape != (matrix.dim,):
             self._step_out = torch.empty(matrix.dim, dtype=torch.float32)
         layout = [(k, tuple(global_state[k].shape)) for k in matrix.keys]
@@ -846,7 +863,9 @@ class RobustStrategy(Strategy):
                 matrix = None
         if matrix is None or matrix.capacity < capacity:
             self._matrix = None  # let the old storage go before the new one is reserved
-            matrix = UpdateMatrix(self._global, max(capacity, 1), max_norm=max_norm)
+            matrix = UpdateMatrix(
+                self._global, max(capacity, 1), max_norm=max_norm, pin_memory=self.aggregation_device.type == "cuda"
+            )
         matrix.max_norm = max_norm
         self._matrix = matrix
         return matrix
@@ -934,7 +953,8 @@ class RobustStrategy(Strategy):
         """Server optimizer, aggregator, liveness and key-pin state, for checkpoints."""
         opt_tensors, opt_meta = self.optimizer.state_dict()
         tensors = {f"optimizer/{k}": v for k, v in opt_tensors.items()}
-        tensors.update({f"aggregator/{k}": v for k, v in self.aggregator.state_dict().items()})
+        # On the CPU whatever the aggregation device: a checkpoint resumes on any machine.
+        tensors.update({f"aggregator/{k}": v.cpu() for k, v in self.aggregator.state_dict().items()})
         meta = {
             "optimizer": opt_meta,
             "server_lr": self.optimizer.lr,

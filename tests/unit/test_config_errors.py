@@ -63,6 +63,7 @@ WRONG: dict[str, Wrong] = {
         "{arc:{}}", '{"arc": {}}', "which the pipeline ['winsorize', 'nnm', 'trimmed_mean'] does not run"
     ),
     "aggregator.root_size": Wrong("0", "0", "must be >= 1"),
+    "aggregator.device": Wrong("gpu", "gpu", "invalid device 'gpu'; valid: 'auto', 'cpu', 'cuda' or"),
     "dataset.name": Wrong("mnsit", "mnsit", "unknown choice; valid choices: cifar10, digits, mnist"),
     "dataset._target_": Wrong("no_such_pkg.load", "no_such_pkg.load", "cannot import 'no_such_pkg.load'"),
     "dataset.params": Wrong("{fraction:0.5}", '{"fraction": 0.5}', "dataset.name=digits takes no parameters"),

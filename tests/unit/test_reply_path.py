@@ -197,6 +197,48 @@ def test_configure_train_reserves_the_rows_and_aggregation_writes_into_them() ->
     assert len(reserved) == 5 and bool(reserved.norms().gt(0).all())
 
 
+def test_an_aggregation_device_that_is_not_a_device_is_refused_with_the_valid_choices() -> None:
+    with pytest.raises(ValueError, match=r"^aggregation_device: invalid device 'gpu'; valid: 'auto', 'cpu', 'cuda'"):
+        RobustStrategy(aggregation_device="gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_aggregation_is_refused_where_there_is_no_cuda() -> None:
+    with pytest.raises(ValueError, match=r"^aggregation_device: device 'cuda' requested but CUDA is not available"):
+        RobustStrategy(aggregation_device="cuda")
+    assert RobustStrategy(aggregation_device="auto").aggregation_device == torch.device("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_rule_on_a_cuda_device_gives_the_cpu_result_over_rounds() -> None:
+    """Rows from page-locked memory, the rule (and its state, for the stateful ones) on the device,
+    checkpoint state on the CPU; each round's model as on the CPU, up to float rounding."""
+    rules = [r for r in aggregators.names() if r != "fltrust"] + ["winsorize+nnm+trimmed_mean", "arc+nnm+median"]
+    for rule in rules:
+        on = {
+            device: RobustStrategy(
+                aggregator=rule, num_byzantine=F, min_train_nodes=N, progress=False, aggregation_device=device
+            )
+            for device in ("cpu", "cuda")
+        }
+        state = _global()
+        for server_round in (1, 2, 3):
+            got = {}
+            for device, strategy in on.items():
+                instructions = _instructions(strategy, state, N, server_round)
+                local = _locals(state, N, seed=server_round)
+                replies = [_reply(m, ArrayRecord(s), 50) for m, s in zip(instructions, local, strict=True)]
+                arrays, metrics = strategy.aggregate_train(server_round, replies)
+                assert arrays is not None and metrics["accepted"] == N, (rule, device)
+                got[device] = arrays.to_torch_state_dict()
+            for key, value in got["cpu"].items():
+                torch.testing.assert_close(got["cuda"][key], value, rtol=1e-4, atol=1e-6, msg=f"{rule} {key}")
+            state = got["cpu"]
+        assert on["cuda"]._matrix is not None and on["cuda"]._matrix.rows().is_pinned(), rule
+        tensors, _ = on["cuda"].state_dict()
+        assert all(t.device.type == "cpu" for t in tensors.values()), rule
+
+
 def test_a_process_ending_right_after_configure_train_exits_cleanly() -> None:
     """The thread that touches a new matrix must not abort an interpreter that exits meanwhile.
 
