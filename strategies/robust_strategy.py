@@ -232,8 +232,8 @@ class RobustStrategy(Strategy):
         ``"cuda:<index>"`` or ``"auto"`` (CUDA when available). Replies are always checked and written
         into the update matrix on the CPU; for a CUDA device the matrix is page-locked and its rows go
         to the device in one copy before the rule, whose aggregate comes back for the server step.
-        Float sums on another device may round differently: the same run gives the same bytes on
-        the same kind of device.
+        Float sums on a GPU may round differently from the CPU's, so a run's bytes can differ from
+        those of the same run aggregated on the CPU.
     max_update_norm : float, optional
         L2 bound on a reply's update; None: no bound (non-finite updates are always rejected).
     max_num_examples : int

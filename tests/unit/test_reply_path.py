@@ -212,14 +212,15 @@ def test_cuda_aggregation_is_refused_where_there_is_no_cuda() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_every_rule_on_a_cuda_device_gives_the_cpu_result_over_rounds() -> None:
     """Rows from page-locked memory, the rule (and its state, for the stateful ones) on the device,
-    checkpoint state on the CPU; each round's model as on the CPU, up to float rounding."""
+    checkpoint state on the CPU; each round's model as on the CPU, up to float rounding, and the same
+    bytes in a second run on the device."""
     rules = [r for r in aggregators.names() if r != "fltrust"] + ["winsorize+nnm+trimmed_mean", "arc+nnm+median"]
     for rule in rules:
         on = {
             device: RobustStrategy(
                 aggregator=rule, num_byzantine=F, min_train_nodes=N, progress=False, aggregation_device=device
             )
-            for device in ("cpu", "cuda")
+            for device in ("cpu", "cuda", "cuda:0")
         }
         state = _global()
         for server_round in (1, 2, 3):
@@ -233,6 +234,7 @@ def test_every_rule_on_a_cuda_device_gives_the_cpu_result_over_rounds() -> None:
                 got[device] = arrays.to_torch_state_dict()
             for key, value in got["cpu"].items():
                 torch.testing.assert_close(got["cuda"][key], value, rtol=1e-4, atol=1e-6, msg=f"{rule} {key}")
+                assert torch.equal(got["cuda"][key], got["cuda:0"][key]), f"{rule} {key}: not deterministic"
             state = got["cpu"]
         assert on["cuda"]._matrix is not None and on["cuda"]._matrix.rows().is_pinned(), rule
         tensors, _ = on["cuda"].state_dict()
