@@ -301,7 +301,8 @@ def run_child(entry: str, n: int, d_model: str, rounds: int, device: str = "cpu"
         fn = flower_strategy(entry, n, f)
     elif entry.startswith(("strategy:", "streamed:", "arriving:")):
         strategy, instructions = robust_strategy(entry.split(":", 1)[1], n, f, state, device)
-        aggregators.build(entry.split(":", 1)[1], f=1)(torch.randn(8, 16))  # numba kernels: not timed
+        # The numba kernels, or the device's first kernel launches (CUDA loads modules lazily): not timed.
+        aggregators.build(entry.split(":", 1)[1], f=1)(torch.randn(8, 16, device=strategy.aggregation_device))
         fn = strategy.aggregate_train
     else:
         # Load (or compile) the numba kernels on a tiny input: compiling is not the reply path.
@@ -316,6 +317,8 @@ def run_child(entry: str, n: int, d_model: str, rounds: int, device: str = "cpu"
         gc.collect()
         before = status_bytes("VmRSS")
         exact_peak = reset_peak_rss()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         if entry.startswith("streamed:"):
             intake = strategy.open_round(1, [m.metadata.dst_node_id for m in instructions])
             intake.expect({m.metadata.message_id: m.metadata.dst_node_id for m in instructions})
@@ -335,7 +338,10 @@ def run_child(entry: str, n: int, d_model: str, rounds: int, device: str = "cpu"
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         if arrays is None:
             raise RuntimeError(f"{entry} did not aggregate: {metrics}")
-        results.append({"seconds": seconds, "peak_extra_bytes": peak - before, "replies_bytes": replies_bytes})
+        results.append({
+            "seconds": seconds, "peak_extra_bytes": peak - before, "replies_bytes": replies_bytes,
+            "device_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0,
+        })
         del replies, arrays, metrics
     return results
 
@@ -387,6 +393,7 @@ class Row:
     seconds: float
     peak_extra_bytes: int
     replies_bytes: int
+    device_peak_bytes: int = 0  # CUDA memory the round allocated at its peak (--aggregation-device cuda)
 
 
 def _rule_of(entry: str) -> str:
@@ -396,18 +403,21 @@ def _rule_of(entry: str) -> str:
 def print_table(rows: list[Row]) -> None:
     """Markdown table: time and peak extra memory per entry and round, with the ratios of the issue."""
     by_key = {(r.entry, r.server_round): r for r in rows}
+    on_device = any(r.device_peak_bytes for r in rows)  # a column only when rules ran on a CUDA device
     print(
         "| entry | round | time (s) | x Flower FedAvg | Flower's same rule / ours | peak extra (MiB) "
-        "| x replies' size |\n|---|---:|---:|---:|---:|---:|---:|"
+        "| x replies' size |" + (" device peak (MiB) |" if on_device else "")
     )
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if on_device else ""))
     for r in rows:
         fedavg = by_key.get(("flower_fedavg", r.server_round))
         flower = by_key.get((FLOWER_FOR.get(_rule_of(r.entry), ""), r.server_round))
         vs_avg = f"{r.seconds / fedavg.seconds:.2f}" if fedavg else ""
         vs_rule = f"{flower.seconds / r.seconds:.1f}" if flower and not r.entry.startswith("flower_") else ""
+        device = f" {r.device_peak_bytes / 2**20:.0f} |" if on_device else ""
         print(
             f"| {r.entry} | {r.server_round} | {r.seconds:.3f} | {vs_avg} | {vs_rule} "
-            f"| {r.peak_extra_bytes / 2**20:.0f} | {r.peak_extra_bytes / r.replies_bytes:.2f} |"
+            f"| {r.peak_extra_bytes / 2**20:.0f} | {r.peak_extra_bytes / r.replies_bytes:.2f} |{device}"
         )
 
 
@@ -488,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
                     seconds=min(r["seconds"] for r in runs),
                     peak_extra_bytes=int(max(r["peak_extra_bytes"] for r in runs)),
                     replies_bytes=int(runs[0]["replies_bytes"]),
+                    device_peak_bytes=int(max(r.get("device_peak_bytes", 0) for r in runs)),
                 )
             )
     print(
