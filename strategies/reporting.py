@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,29 @@ class MetricsLog:
             self.say(line)
 
     def say(self, line: str) -> None:
-        """One line for the operator: printed when echoing, logged either way."""
+        """One line for the operator: logged, and printed when echoing unless the log already shows it
+        on the console (Hydra's job logging does: the line would appear twice)."""
         log.info("%s", line)
-        if self.echo:
+        if self.echo and not _logged_to_console(log):
             print(line, flush=True)
 
     def finish(self, seconds: float) -> None:
         for line in summary_text(self.rows, seconds).splitlines():
             self.say(line)
+
+
+def _logged_to_console(logger: logging.Logger) -> bool:
+    """Whether an INFO record of ``logger`` reaches a handler that writes to standard output or error."""
+    if not logger.isEnabledFor(logging.INFO):
+        return False
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            stream = getattr(handler, "stream", None)
+            if handler.level <= logging.INFO and stream is not None and stream in (sys.stdout, sys.stderr):
+                return True
+        current = current.parent if current.propagate else None
+    return False
 
 
 def progress_line(row: dict[str, Any], num_rounds: int) -> str:

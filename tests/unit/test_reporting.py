@@ -1,0 +1,51 @@
+"""The operator's progress lines: each shown once on the console, whichever way the process logs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from fedrobust.strategies.reporting import MetricsLog
+
+
+@contextlib.contextmanager
+def root_console(level: int) -> Iterator[None]:
+    """A console handler on the root logger, as Hydra's job logging installs one. Made inside the test,
+    where ``sys.stdout`` is capsys's stream for the test's call."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setLevel(level)
+    root = logging.getLogger()
+    before = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(before)
+
+
+def test_a_line_is_printed_when_no_log_handler_shows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    MetricsLog(None, 3).say("finished 3 rounds in 4.6 s")
+    assert capsys.readouterr().out.splitlines() == ["finished 3 rounds in 4.6 s"]
+
+
+def test_a_line_the_log_shows_on_the_console_is_not_printed_again(capsys: pytest.CaptureFixture[str]) -> None:
+    with root_console(logging.INFO):
+        MetricsLog(None, 3).say("finished 3 rounds in 4.6 s")
+    assert capsys.readouterr().out.splitlines() == ["finished 3 rounds in 4.6 s"]  # the handler's line only
+
+
+def test_a_console_handler_above_info_does_not_show_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with root_console(logging.WARNING):
+        MetricsLog(None, 3).say("finished")
+    assert capsys.readouterr().out.splitlines() == ["finished"]
+
+
+def test_echo_off_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    MetricsLog(None, 3, echo=False).say("finished")
+    assert capsys.readouterr().out == ""
