@@ -202,10 +202,15 @@ def main(cfg: DictConfig) -> float:
 
     run_cfg = checked_run_config(cfg)
     # Imported once the config is known to be good: Ray and Flower take seconds to import.
+    from flwr.common.logger import FLOWER_LOGGER, console_handler
+
     from experiments.simulate import simulate
     from fedrobust.checkpoint import CheckpointMismatchError
     from fedrobust.strategies.checkpointing import NoValidCheckpointError
 
+    # Flower's logger has a console handler of its own and also passes its records on to Hydra's: each
+    # Flower line would show twice. Hydra's handlers (the console and the run's log file) show it once.
+    FLOWER_LOGGER.removeHandler(console_handler)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
 
     def exit_preempted_now(stopped: Preempted) -> None:
