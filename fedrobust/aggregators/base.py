@@ -124,13 +124,16 @@ class PreAggregator(Component):
     affine : bool
         Every output row is an affine combination (coefficients summing to one) of the inputs,
         which keeps distances translation-invariant and lets them be computed from centered data.
+    needs_norms : bool
+        The stage reads the rows' norms or inner products, not only distances between them.
     """
 
     keeps_rows: ClassVar[bool] = True
     affine: ClassVar[bool] = True
+    needs_norms: ClassVar[bool] = False
 
     def out_rows(self, n: int) -> int:
-        """Number of rows produced from ``n`` input rows."""
+        """Number of rows produced from ``n`` input rows (the fewest, for a stage that drops rows)."""
         return n
 
     def apply(self, rows: Rows) -> Rows:

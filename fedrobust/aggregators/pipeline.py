@@ -118,7 +118,7 @@ class Aggregator:
         basis = Basis(
             x,
             extras=self.rule.extra_vectors(x),
-            augmented=any(not p.affine for p in self.pre),
+            augmented=any(not p.affine or p.needs_norms for p in self.pre),
             chunk_size=self.rule.chunk_size,
             owner=self.label,
             f=self.f,

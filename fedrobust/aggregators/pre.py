@@ -19,7 +19,14 @@ from fedrobust.aggregators._registry import register_pre
 from fedrobust.aggregators.base import PreAggregator, check_float, check_int
 from fedrobust.aggregators.rows import Basis, Rows
 
-__all__ = ["AdaptiveRobustClipping", "Bucketing", "Clipping", "CoordinateWinsorizing", "NearestNeighborMixing"]
+__all__ = [
+    "AdaptiveRobustClipping",
+    "Bucketing",
+    "Clipping",
+    "CoordinateWinsorizing",
+    "DirectionFilter",
+    "NearestNeighborMixing",
+]
 
 
 def _scale_rows(rows: Rows, scale: Tensor) -> Rows:
@@ -157,9 +164,10 @@ class CoordinateWinsorizing(PreAggregator):
     zero) no longer pass them on. Rows keep their place and their other coordinates. Needs ``n >= 2f + 1``;
     with ``f = 0`` the rows pass unchanged.
 
-    Both bounds come from one order-statistic pass. In front of the pipeline (the default,
-    ``winsorize+nnm+trimmed_mean``) nothing is written: later stages read the input through the bounds.
-    After a stage that mixes rows, the clamped rows are written once, as an ``[n, d]`` copy.
+    Both bounds come from one order-statistic pass. On the input rows (in front of the pipeline, as in
+    the default ``winsorize+nnm+trimmed_mean``) or a subset of them (after the direction filter) nothing
+    is written: later stages read the input through the bounds. After a stage that mixes rows, the
+    clamped rows are written once, as an ``[n, d]`` copy.
     """
 
     name = "winsorize"
@@ -174,13 +182,13 @@ class CoordinateWinsorizing(PreAggregator):
         m = rows.m
         bounds = window_bounds(rows, self.f, m - self.f)  # [2, d]: the f+1-th smallest and largest
         base = rows.basis
-        if rows.mix is None and rows.index is None:
-            # The input rows themselves: every later read clamps them on the fly, so no [n, d] copy is
-            # written. Bounds already there are replaced, not stacked: these ones lie inside them.
+        if rows.mix is None:
+            # The input rows themselves, or a subset of them: every later read clamps them on the fly, so no
+            # [n, d] copy is written. Bounds already there are replaced, not stacked: these ones lie inside them.
             clamped = Basis(base.x, extras=base.extras, augmented=base.augmented, chunk_size=base.chunk_size,
                             bounds=bounds, owner=base.owner, f=base.f)
-            clamped.validated = True  # the order statistics above passed over every value
-            return Rows(clamped)
+            clamped.validated = base.validated  # set once a pass (the bounds' own, over all rows) saw every value
+            return Rows(clamped, index=rows.index)
         out = torch.empty((m, rows.d), dtype=rows.dtype, device=rows.device)
         for start, stop, chunk in rows.chunks(reuse=True):
             torch.clamp(chunk, bounds[0, start:stop], bounds[1, start:stop], out=out[:, start:stop])
@@ -188,3 +196,74 @@ class CoordinateWinsorizing(PreAggregator):
                         owner=base.owner, f=base.f)
         clamped.validated = True  # the order statistics above passed over every value
         return Rows(clamped)
+
+
+@register_pre
+class DirectionFilter(PreAggregator):
+    """Drop rows that push against the others: at most ``f``, and only clear outliers.
+
+    A row's score is its inner product with a robust mean of the other rows, divided by its own norm
+    (the cosine with that mean, times the mean's norm): per other row, the inner product with this
+    row; of those ``m - 1`` values, the ``f`` largest and ``f`` smallest are trimmed and the rest
+    averaged. The mean of many rows carries the direction the model learns in with little of each
+    client's noise, so an honest row scores above zero even on non-IID data, while a row that reverses
+    an update (sign flip), pushes against the mean (IPM, Fang's attacks) or only adds noise scores
+    at or below zero. A row is dropped when its score is at most zero **and** lies more than ``z``
+    scaled median absolute deviations below the median score: late in training honest rows also
+    score near zero, and a plain sign test would drop them.
+
+    At most ``f`` rows are dropped (the lowest scores, ties to the lower index) and at least
+    ``2f + 1`` rows are kept, so the ``f`` Byzantine rows the stages after it still assume stay a
+    minority of what is left. Dropping the reversed rows before a coordinate-wise rule keeps that rule
+    from trimming honest values on one side only, which biases it on non-IID data. The scores come
+    from the Gram matrix of the rows, which NNM or a distance rule after it reuses. Needs
+    ``n >= 2f + 1``; with ``f = 0`` the rows pass unchanged.
+
+    Parameters
+    ----------
+    f : int
+        Most rows dropped, and the trimming of each row's inner products.
+    z : float, default 3.0
+        How many scaled median absolute deviations (``1.4826 * MAD``, the standard deviation for
+        normal scores) below the median score a row must lie to be dropped.
+    """
+
+    name = "direction"
+    keeps_rows = False
+    needs_norms = True
+
+    def __init__(self, f: int = 0, *, z: float = 3.0) -> None:
+        super().__init__(f)
+        self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
+
+    def requirement(self) -> tuple[int, str]:
+        return 2 * self.f + 1, "n >= 2f+1"
+
+    def out_rows(self, n: int) -> int:
+        return max(n - self.f, min(n, 2 * self.f + 1))
+
+    def scores(self, rows: Rows) -> Tensor:
+        """``[m]`` float64: each row's inner product with the trimmed mean of the others, over its norm."""
+        m = rows.m
+        norms = rows.sq_norms()
+        inner = 0.5 * (norms[:, None] + norms[None, :] - rows.sq_distances())
+        others = inner[~torch.eye(m, dtype=torch.bool, device=inner.device)].view(m, m - 1)
+        trim = min(self.f, (m - 2) // 2)
+        kept = torch.sort(others, dim=1).values[:, trim : m - 1 - trim]
+        return kept.mean(dim=1) / norms.sqrt().clamp(min=torch.finfo(torch.float64).tiny)
+
+    def apply(self, rows: Rows) -> Rows:
+        m = rows.m
+        budget = min(self.f, m - self.out_rows(m))
+        if budget <= 0:
+            return rows
+        ranked = torch.sort(self.scores(rows), stable=True)
+        center = ranked.values[(m - 1) // 2]
+        spread = 1.4826 * (ranked.values - center).abs().median()
+        outlying = (ranked.values <= 0) & (ranked.values < center - self.z * spread)
+        dropped = ranked.indices[outlying][:budget]
+        if dropped.numel() == 0:
+            return rows
+        keep = torch.ones(m, dtype=torch.bool, device=dropped.device)
+        keep[dropped] = False
+        return rows.select(torch.nonzero(keep).flatten())

@@ -39,6 +39,7 @@ PRE_PARAMS: dict[str, dict] = {
     "clipping": {"threshold": 3.0},
     "arc": {},
     "winsorize": {},
+    "direction": {},
 }
 # Rules after a pre-aggregator: one distance-based and one coordinate-wise rule.
 PIPELINES = [(rule, ()) for rule in RULE_PARAMS] + [(rule, (pre,)) for pre in PRE_PARAMS for rule in ("krum", "median")]

@@ -56,7 +56,10 @@ WRONG: dict[str, Wrong] = {
     "aggregator.name": Wrong("krun", "krun", "unknown rule 'krun'; valid choices: a rule (bulyan, centered_clipping"),
     "aggregator._target_": Wrong("no_such_pkg.Rule", "no_such_pkg.Rule", "cannot import 'no_such_pkg.Rule'"),
     "aggregator.pre": Wrong(
-        "nmm", "nmm", "unknown choice; valid choices: arc, bucketing, clipping, nnm", ("aggregator.name=trimmed_mean",)
+        "nmm",
+        "nmm",
+        "unknown choice; valid choices: arc, bucketing, clipping, direction, nnm, winsorize",
+        ("aggregator.name=trimmed_mean",),
     ),
     "aggregator.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) bogus; valid parameters:"),
     "aggregator.pre_params": Wrong(

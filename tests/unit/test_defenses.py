@@ -323,3 +323,73 @@ def _nnm_rows(x: torch.Tensor, f: int) -> torch.Tensor:
     dist = torch.cdist(x, x)
     nearest = dist.argsort(dim=1)[:, : x.shape[0] - f]
     return x[nearest].mean(dim=1)
+
+
+# --------------------------------------------------------------------------- direction filter
+
+
+def reference_direction_keep(x: Tensor, f: int, z: float = 3.0) -> Tensor:
+    """The rows the direction filter keeps, by its definition, computed on the rows themselves."""
+    n = x.shape[0]
+    budget = min(f, n - max(n - f, 2 * f + 1))
+    inner = x @ x.T
+    scores = []
+    for i in range(n):
+        others = torch.sort(torch.cat([inner[i, :i], inner[i, i + 1 :]])).values
+        trim = min(f, (n - 2) // 2)
+        scores.append(others[trim : n - 1 - trim].mean() / x[i].norm())
+    score = torch.stack(scores)
+    center = score.sort().values[(n - 1) // 2]
+    spread = 1.4826 * (score - center).abs().median()
+    order = torch.sort(score, stable=True).indices
+    outlying = [int(i) for i in order if score[i] <= 0 and score[i] < center - z * spread][:budget]
+    return torch.tensor([i for i in range(n) if i not in outlying])
+
+
+def test_direction_drops_the_sign_flipped_rows_and_unbiases_the_trimmed_mean() -> None:
+    x, honest = planted("sign_flip")
+    torch.testing.assert_close(aggregators.build("direction+mean", f=F)(x), honest.mean(0))
+    # Alone, the trimmed mean drops the f flipped values of each coordinate and the f largest honest ones:
+    # it lands below the honest values' mean. With the flipped rows gone it trims honest values on both sides.
+    alone = (aggregators.build("trimmed_mean", f=F)(x) - honest.mean(0)).norm()
+    after = (aggregators.build("direction+trimmed_mean", f=F)(x) - honest.mean(0)).norm()
+    assert float(after) < 0.5 * float(alone)
+
+
+@pytest.mark.parametrize("kind", ["scaled", "collude"])
+def test_direction_keeps_rows_that_point_the_same_way(kind: str) -> None:
+    """Rows along the honest direction are another rule's job (norms, distances): the filter keeps every row."""
+    x, _ = planted(kind)
+    torch.testing.assert_close(aggregators.build("direction+mean", f=F)(x), x.mean(0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_direction_drops_what_its_definition_drops(seed: int) -> None:
+    """Honest rows around a common direction and a few reversed rows, sometimes more than f: the rows kept are
+    those of a plain computation of the scores and of the outlier rule."""
+    g = torch.Generator().manual_seed(seed)
+    n, f, d = 20, 4, 300
+    x = 0.5 + torch.randn(n, d, generator=g, dtype=torch.float64)
+    flipped = int(torch.randint(0, f + 2, (1,), generator=g))  # sometimes more than f
+    x[:flipped] = -(0.2 + 0.5 * torch.rand(flipped, 1, generator=g, dtype=torch.float64)) * x[-flipped - 1 : -1]
+    keep = reference_direction_keep(x, f)
+    assert n - f <= keep.numel() <= n
+    if flipped:
+        assert keep.numel() < n  # the reversed rows are caught
+    torch.testing.assert_close(aggregators.build("direction+mean", f=f)(x), x[keep].mean(0))
+
+
+def test_direction_keeps_an_honest_majority_and_passes_f_zero() -> None:
+    x, honest = planted("sign_flip", n=2 * F + 3)  # room to drop 2 of the f = 4 flipped rows, not more
+    keep = reference_direction_keep(x, F)
+    assert keep.numel() == 2 * F + 1
+    torch.testing.assert_close(aggregators.build("direction+mean", f=F)(x), x[keep].mean(0))
+    tight, _ = planted("sign_flip", n=2 * F + 1)
+    torch.testing.assert_close(aggregators.build("direction+mean", f=F)(tight), tight.mean(0))
+    torch.testing.assert_close(aggregators.build("direction+mean", f=0)(x), x.mean(0))
+
+
+def test_direction_then_winsorize_clamps_the_rows_it_kept() -> None:
+    x, honest = planted("sign_flip")
+    out = aggregators.build("direction+winsorize+nnm+trimmed_mean", f=F)(x)
+    torch.testing.assert_close(out, aggregators.build("winsorize+nnm+trimmed_mean", f=F)(honest))
