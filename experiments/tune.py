@@ -57,13 +57,27 @@ def sweep_dirs(out: Path, name: str) -> tuple[Path, Path]:
     return out / name, out / f"{name}__sign_flip_x4"
 
 
+def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(shared, rule_only)``: overrides of ``aggregator.*`` set the tuned rule's own hyper-parameters.
+
+    Clean FedAvg, the reference, runs the plain mean, which has no such parameters (a pre-aggregator's
+    ``pre_params`` would be refused there), so it gets only the shared ones.
+    """
+    shared, rule_only = [], []
+    for override in overrides:
+        key = override.partition("=")[0].lstrip("+~")
+        (rule_only if key == "aggregator" or key.startswith("aggregator.") else shared).append(override)
+    return shared, rule_only
+
+
 def run_setting(
     name: str, overrides: list[str], *, rule: str, out: Path, validation_fraction: float, **study_args: Any
 ) -> None:
     """The study runs of one setting that are not in ``out`` yet."""
     extra = [f"dataset.validation_fraction={validation_fraction}", *overrides]
+    shared, _ = split_overrides(extra)
     main, x4 = sweep_dirs(out, name)
-    study.run_study(rules=["mean"], attacks=["none"], extra=extra, out=main, **study_args)
+    study.run_study(rules=["mean"], attacks=["none"], extra=shared, out=main, **study_args)
     study.run_study(rules=[rule], attacks=list(ATTACKS), extra=extra, out=main, **study_args)
     study.run_study(rules=[rule], attacks=[SIGN_FLIP_X4[0]], extra=[*extra, SIGN_FLIP_X4[1]], out=x4, **study_args)
 

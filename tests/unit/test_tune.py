@@ -75,3 +75,13 @@ def test_parse_setting_splits_name_and_overrides() -> None:
     assert tune.parse_setting("fast=client.lr=0.5 server_optimizer.lr=1.5") == (
         "fast", ["client.lr=0.5", "server_optimizer.lr=1.5"]
     )
+
+
+def test_the_rules_own_overrides_do_not_reach_clean_fedavg() -> None:
+    """A pre-aggregator's parameter tunes the rule; FedAvg, the reference, runs the plain mean, which refuses it."""
+    shared, rule_only = tune.split_overrides(
+        ["dataset.validation_fraction=0.2", "+aggregator.pre_params.direction.z=1.5", "client.lr=0.1",
+         "aggregator.params.tau=2", "++aggregator=krum", "aggregator_extra=1"]
+    )
+    assert shared == ["dataset.validation_fraction=0.2", "client.lr=0.1", "aggregator_extra=1"]
+    assert rule_only == ["+aggregator.pre_params.direction.z=1.5", "aggregator.params.tau=2", "++aggregator=krum"]
