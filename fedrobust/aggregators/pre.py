@@ -216,8 +216,9 @@ class DirectionFilter(PreAggregator):
     ``2f + 1`` rows are kept, so the ``f`` Byzantine rows the stages after it still assume stay a
     minority of what is left. Dropping the reversed rows before a coordinate-wise rule keeps that rule
     from trimming honest values on one side only, which biases it on non-IID data. The scores come
-    from the Gram matrix of the rows, which NNM or a distance rule after it reuses. Needs
-    ``n >= 2f + 1``; with ``f = 0`` the rows pass unchanged.
+    from the Gram matrix of the rows, one pass over the data; a stage after it that reads the same rows
+    (NNM or a distance rule, with no winsorizing between) reuses that matrix. Needs ``n >= 2f + 1``;
+    with ``f = 0`` the rows pass unchanged.
 
     Parameters
     ----------
