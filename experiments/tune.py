@@ -63,7 +63,8 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     Clean FedAvg, the reference, runs the plain mean, which has no such parameters (a pre-aggregator's
     ``pre_params`` would be refused there), so it gets only the shared ones.
     """
-    shared, rule_only = [], []
+    shared: list[str] = []
+    rule_only: list[str] = []
     for override in overrides:
         key = override.partition("=")[0].lstrip("+~")
         (rule_only if key == "aggregator" or key.startswith("aggregator.") else shared).append(override)
