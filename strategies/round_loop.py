@@ -326,6 +326,8 @@ class RoundLoop:
             "rejected_nodes": outcome.rejected_nodes,
             "dropped": len(outcome.dropped),
             "dropped_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.dropped)],
+            "filtered": len(outcome.filtered),
+            "filtered_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.filtered)],
             "client_errors": dict(outcome.client_errors),
             "quarantined": sorted(n for n in s.liveness.known_nodes() if s.liveness.status(n) == "quarantined"),
             "aggregated": outcome.aggregated,
@@ -437,7 +439,8 @@ class RoundLoop:
 # Row keys the loop writes itself; every other number in a row came from evaluate_fn.
 _OWN_KEYS = frozenset(
     {
-        "round", "sampled", "accepted", "rejected", "rejected_nodes", "dropped", "dropped_nodes", "client_errors",
+        "round", "sampled", "accepted", "rejected", "rejected_nodes", "dropped", "dropped_nodes", "filtered",
+        "filtered_nodes", "client_errors",
         "quarantined", "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
         "seconds_checkpoint_blocking", "checkpoint_interval", "rollbacks", "liveness", "federated_evaluate",
     }

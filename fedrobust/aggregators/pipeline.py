@@ -39,6 +39,9 @@ class Aggregator:
         Whether per-row weights are accepted (``mean``, with no pre-aggregator that regroups rows).
     needs_server_update : bool
         Whether each call needs :meth:`set_server_update` first (``fltrust``).
+    last_filtered : tuple of int
+        The input rows the pre-aggregators of the last call dropped (the direction filter's), ascending.
+        Only drops before any stage that mixes rows count: after one, a row no longer stands for one input.
     """
 
     def __init__(self, rule: Rule, pre: Sequence[PreAggregator] = ()) -> None:
@@ -49,6 +52,7 @@ class Aggregator:
         self.supports_weights = rule.supports_weights and all(p.keeps_rows for p in self.pre)
         self.needs_server_update = rule.needs_server_update
         self.label = rule.name if not self.pre else f"{rule.name} (after {', '.join(p.name for p in self.pre)})"
+        self.last_filtered: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return f"Aggregator({self.label}, f={self.f})"
@@ -124,8 +128,14 @@ class Aggregator:
             f=self.f,
         )
         rows = Rows(basis)
+        self.last_filtered = ()
+        rows_are_inputs = True  # until a stage mixes rows (or writes new ones), each row is one input row
         for stage in self.pre:
             rows = stage.apply(rows)
+            rows_are_inputs = rows_are_inputs and rows.mix is None and rows.basis.x is x
+            if rows_are_inputs and rows.index is not None:
+                kept = set(rows.index.tolist())
+                self.last_filtered = tuple(i for i in range(n) if i not in kept)
         out = self.rule.aggregate(rows, row_weights)
         if not basis.validated:
             basis.check_finite()

@@ -393,3 +393,20 @@ def test_direction_then_winsorize_clamps_the_rows_it_kept() -> None:
     x, honest = planted("sign_flip")
     out = aggregators.build("direction+winsorize+nnm+trimmed_mean", f=F)(x)
     torch.testing.assert_close(out, aggregators.build("winsorize+nnm+trimmed_mean", f=F)(honest))
+
+
+def test_the_pipeline_names_the_input_rows_the_filter_dropped() -> None:
+    x, honest = planted("sign_flip")  # the flipped rows are the last f
+    flipped = tuple(range(N - F, N))
+    agg = aggregators.build("direction+winsorize+nnm+trimmed_mean", f=F)
+    agg(x)
+    assert agg.last_filtered == flipped
+    agg(honest)  # nothing to drop: the report is of the last call only
+    assert agg.last_filtered == ()
+    # After a stage that mixes rows, a dropped row is no input row: nothing is named. Here the filter drops
+    # a bucket (seed 0's buckets of two), which stands for two input rows.
+    few, _ = planted("sign_flip", f=2)
+    buckets = [{"name": "bucketing", "s": 2, "seed": 0}]
+    mixed_first = aggregators.build("mean", f=2, pre=[*buckets, "direction"])
+    assert not torch.equal(mixed_first(few), aggregators.build("mean", f=2, pre=buckets)(few))  # it dropped one
+    assert mixed_first.last_filtered == ()
