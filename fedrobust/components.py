@@ -25,7 +25,8 @@ aggregator
     ``_target_(f=f, **params)`` (``f`` only when the signature names it) returns a callable taking a
     float ``[n, d]`` tensor of client updates (one flattened update per row) and returning the
     ``[d]`` aggregate on the same device; it may define ``min_n()`` (fewest rows it accepts,
-    default 1) and ``state_dict()`` / ``load_state_dict()`` for state that a checkpoint keeps. A
+    default 1), ``state_dict()`` / ``load_state_dict()`` for state that a checkpoint keeps, and
+    ``last_excluded``, the rows its last call gave no weight (reported per round by node). A
     subclass of :class:`fedrobust.aggregators.base.Rule` is used as it is. Every user rule passes a
     contract check when built (:func:`check_rule`), and pre-aggregators (``aggregator.pre``) run in
     front of it as in front of a built-in.
@@ -38,6 +39,7 @@ import importlib
 import inspect
 import json
 import logging
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -393,7 +395,25 @@ class UserRule(Rule):
                 f"{self.name}: returned {got} for [{rows.m}, {rows.d}] updates; a rule must return a "
                 f"floating-point [d] tensor ([{rows.d}])"
             )
+        self.last_excluded = self._excluded_by_impl(rows.m)
         return out.to(device=dense.device, dtype=rows.dtype)
+
+    def _excluded_by_impl(self, m: int) -> tuple[int, ...]:
+        """The rows the user's rule says its last call gave no weight (its optional ``last_excluded``).
+
+        Only a report: one that is not a collection of row indices is logged and left out, and the round
+        goes on.
+        """
+        named = getattr(self.impl, "last_excluded", ())
+        try:
+            rows = tuple(sorted({operator.index(i) for i in named}))
+        except TypeError:
+            rows = (-1,)
+        if any(not 0 <= i < m for i in rows):
+            logger.warning("%s: last_excluded=%r is not a collection of row indices in [0, %d); ignored",
+                           self.name, named, m)
+            return ()
+        return rows
 
     def state_dict(self) -> dict[str, Tensor]:
         method = getattr(self.impl, "state_dict", None)

@@ -2,8 +2,8 @@
 
 Progress goes to standard output (what ``flwr run --stream`` and ``flwr log`` show of a ServerApp)
 and to this module's logger; each round's line names the nodes whose replies were rejected (with
-the reason), dropped, filtered out by the pipeline or quarantined, so an operator can act without
-reading the server's logs.
+the reason), dropped, filtered out by the pipeline, given no weight by the rule or quarantined, so an
+operator can act without reading the server's logs.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def progress_line(row: dict[str, Any], num_rounds: int) -> str:
         f"accepted {row['accepted']:>3}  rejected {sum(rejected.values()):>2}{(' (' + why + ')') if why else ''}  "
         f"dropped {row['dropped']:>2}{f' (client errors {sum(errors.values())})' if errors else ''}  "
         + (f"filtered {row['filtered']:>2}  " if row.get("filtered") else "")
+        + (f"excluded {row['excluded']:>2}  " if row.get("excluded") else "")
         + f"train {row['seconds_train']:.2f}s agg {row['seconds_aggregate']:.3f}s "
         f"eval {row.get('seconds_evaluate', 0.0):.2f}s"
     )
@@ -95,12 +96,15 @@ def _node(entry: dict[str, Any]) -> str:
 
 
 def node_lines(row: dict[str, Any]) -> list[str]:
-    """Which nodes were rejected (and why), dropped, filtered out by the pipeline, or are quarantined this round."""
+    """Which nodes were rejected (and why), dropped, filtered out by the pipeline, given no weight by the rule
+    (one line: a rule that selects one row excludes all others), or are quarantined this round."""
     lines = [
         f"    rejected: {_node(e)}: {e['reason']} ({e.get('detail', '')})" for e in row.get("rejected_nodes", [])
     ]
     lines += [f"    dropped: {_node(e)}" for e in row.get("dropped_nodes", [])]
     lines += [f"    filtered: {_node(e)}" for e in row.get("filtered_nodes", [])]
+    if row.get("excluded_nodes"):
+        lines.append(f"    excluded by the rule: {', '.join(_node(e) for e in row['excluded_nodes'])}")
     lines += [f"    client error x{n}: {message}" for message, n in row.get("client_errors", {}).items()]
     if row.get("quarantined"):
         lines.append(f"    quarantined: nodes {', '.join(str(n) for n in row['quarantined'])}")
@@ -132,7 +136,8 @@ def summary_text(rows: list[dict[str, Any]], seconds: float) -> str:
         f"replies accepted {sum(r['accepted'] for r in rows)}, rejected {sum(rejected.values())}"
         + (f" {dict(sorted(rejected.items()))}" if rejected else "")
         + f", dropped {sum(r['dropped'] for r in rows)}"
-        + (f", filtered {filtered}" if (filtered := sum(r.get("filtered", 0) for r in rows)) else ""),
+        + (f", filtered {filtered}" if (filtered := sum(r.get("filtered", 0) for r in rows)) else "")
+        + (f", excluded by the rule {excluded}" if (excluded := sum(r.get("excluded", 0) for r in rows)) else ""),
         f"rollbacks {last.get('rollbacks', 0)}, retried rounds {sum(1 for r in rows if r.get('attempts', 1) > 1)}",
         "=" * 72,
     ]

@@ -73,6 +73,7 @@ class RoundOutcome:
     rejected_nodes: list[dict[str, Any]] = field(default_factory=list)  # {"node", "partition", "reason", "detail"}
     dropped: list[int] = field(default_factory=list)  # node ids: error replies or missed deadline
     filtered: list[int] = field(default_factory=list)  # node ids: accepted, then left out by a pre-aggregator
+    excluded: list[int] = field(default_factory=list)  # node ids: accepted, given no weight by the rule
     client_errors: Counter[str] = field(default_factory=Counter)  # error message -> replies
     f_used: int = 0
     aggregated: bool = False
@@ -88,6 +89,7 @@ class RoundOutcome:
             "rejected": sum(self.rejected.values()),
             "dropped": len(self.dropped),
             "filtered": len(self.filtered),
+            "excluded": len(self.excluded),
             "client-errors": sum(self.client_errors.values()),
             "aggregated": int(self.aggregated),
             "f-used": self.f_used,
@@ -684,6 +686,7 @@ class RobustStrategy(Strategy):
         rows = matrix.rows().to(device, non_blocking=True)
         aggregate = self._call_rule(rule, rows, weights).to("cpu")
         outcome.filtered = [outcome.accepted[i] for i in getattr(rule, "last_filtered", ())]
+        outcome.excluded = [outcome.accepted[i] for i in getattr(rule, "last_excluded", ())]
         if self._step_out is None or self._step_out.shape != (matrix.dim,):
             self._step_out = torch.empty(matrix.dim, dtype=torch.float32)
         layout = [(k, tuple(global_state[k].shape)) for k in matrix.keys]

@@ -328,6 +328,8 @@ class RoundLoop:
             "dropped_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.dropped)],
             "filtered": len(outcome.filtered),
             "filtered_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.filtered)],
+            "excluded": len(outcome.excluded),
+            "excluded_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.excluded)],
             "client_errors": dict(outcome.client_errors),
             "quarantined": sorted(n for n in s.liveness.known_nodes() if s.liveness.status(n) == "quarantined"),
             "aggregated": outcome.aggregated,
@@ -440,7 +442,7 @@ class RoundLoop:
 _OWN_KEYS = frozenset(
     {
         "round", "sampled", "accepted", "rejected", "rejected_nodes", "dropped", "dropped_nodes", "filtered",
-        "filtered_nodes", "client_errors",
+        "filtered_nodes", "excluded", "excluded_nodes", "client_errors",
         "quarantined", "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
         "seconds_checkpoint_blocking", "checkpoint_interval", "rollbacks", "liveness", "federated_evaluate",
     }

@@ -96,6 +96,9 @@ class Rule(Component):
     supports_weights: ClassVar[bool] = False
     needs_server_update: ClassVar[bool] = False
     """The rule needs the server's own update of the round before each call (FLTrust)."""
+    last_excluded: tuple[int, ...] = ()
+    """Rows of the last call's input that the rule gave no weight (rules that select rows: Krum, DnC,
+    SignGuard, ...); ``()`` for rules that weigh every row or reduce each coordinate on its own."""
 
     def __init__(self, f: int, *, chunk_size: int | None = None) -> None:
         super().__init__(f)
@@ -112,6 +115,11 @@ class Rule(Component):
     def aggregate(self, rows: Rows, weights: Tensor | None) -> Tensor:
         """Reduce ``rows`` to a ``[d]`` tensor in the rows' compute dtype."""
         raise NotImplementedError
+
+    def combine_kept(self, rows: Rows, share: Tensor) -> Tensor:
+        """``rows.combine(share)`` for a rule that selects rows, noting the rows of share 0 as excluded."""
+        self.last_excluded = tuple(torch.nonzero(share == 0).flatten().tolist())
+        return rows.combine(share)
 
 
 class PreAggregator(Component):

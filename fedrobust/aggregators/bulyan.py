@@ -39,4 +39,5 @@ class Bulyan(Rule):
             best = int(krum_order(dist[index][:, index], self.f)[0])
             selected.append(remaining.pop(best))
         chosen = torch.tensor(sorted(selected), dtype=torch.int64, device=rows.device)
+        self.last_excluded = tuple(remaining)
         return closest_mean(rows.select(chosen), theta - 2 * self.f)

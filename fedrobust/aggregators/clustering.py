@@ -77,4 +77,4 @@ class ClippedClustering(ZeroExtra, Rule):
         kept = majority(labels)
         logger.debug("clipped_clustering: kept %d of %d rows", int(kept.sum()), rows.m)
         share = torch.where(kept, clip_scales(norms, threshold), 0.0) / int(kept.sum())
-        return rows.combine(share)
+        return self.combine_kept(rows, share)

@@ -64,7 +64,7 @@ class Krum(Rule):
     def aggregate(self, rows: Rows, weights: Tensor | None) -> Tensor:
         choice = torch.zeros(rows.m, dtype=torch.float64, device=rows.device)
         choice[krum_order(rows.sq_distances(), self.f)[0]] = 1.0
-        return rows.combine(choice)
+        return self.combine_kept(rows, choice)
 
 
 @register_rule
@@ -97,4 +97,4 @@ class MultiKrum(Rule):
         chosen = krum_order(rows.sq_distances(), self.f)[:count]
         share = torch.zeros(rows.m, dtype=torch.float64, device=rows.device)
         share[chosen] = 1.0 / count
-        return rows.combine(share)
+        return self.combine_kept(rows, share)

@@ -114,7 +114,7 @@ class DivideAndConquer(Rule):
             survivors = dropped == dropped.min()
         logger.debug("dnc: kept %d of %d rows", int(survivors.sum()), m)
         share = survivors.to(torch.float64) / int(survivors.sum())
-        return rows.combine(share)
+        return self.combine_kept(rows, share)
 
     def state_dict(self) -> dict[str, Tensor]:
         return {"generator": self.generator.get_state()}

@@ -116,7 +116,8 @@ class FLTrust(Rule):
         logger.debug("fltrust: trust scores %s, server update norm %.4g", trust.tolist(), float(g0_norm))
         if not total > 0:
             # No row agrees with the server: the paper's aggregate is zero (the model does not move).
+            self.last_excluded = tuple(range(m))
             return torch.zeros(rows.d, dtype=rows.dtype, device=rows.device)
         # Rows with trust 0 (zero rows among them) get share 0, never 0 * (||g0|| / 0).
         share = torch.where(trust > 0, trust * g0_norm / row_norms.clamp(min=tiny), 0.0) / total
-        return rows.combine(share)
+        return self.combine_kept(rows, share)

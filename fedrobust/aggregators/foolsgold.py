@@ -90,4 +90,4 @@ class FoolsGold(ZeroExtra, Rule):
     def aggregate(self, rows: Rows, weights: Tensor | None) -> Tensor:
         alpha = foolsgold_weights(cosine_similarity(inner_products(rows)), self.confidence)
         logger.debug("foolsgold: weights %s", alpha.tolist())
-        return rows.combine(alpha / alpha.sum())
+        return self.combine_kept(rows, alpha / alpha.sum())

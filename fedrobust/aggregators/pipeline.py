@@ -42,6 +42,10 @@ class Aggregator:
     last_filtered : tuple of int
         The input rows the pre-aggregators of the last call dropped (the direction filter's), ascending.
         Only drops before any stage that mixes rows count: after one, a row no longer stands for one input.
+    last_excluded : tuple of int
+        The input rows the rule of the last call gave no weight (rules that select rows, such as Krum,
+        Multi-Krum, Bulyan, DnC or SignGuard), ascending; disjoint from ``last_filtered``. Empty after a
+        stage that mixes rows, for the same reason.
     """
 
     def __init__(self, rule: Rule, pre: Sequence[PreAggregator] = ()) -> None:
@@ -53,6 +57,7 @@ class Aggregator:
         self.needs_server_update = rule.needs_server_update
         self.label = rule.name if not self.pre else f"{rule.name} (after {', '.join(p.name for p in self.pre)})"
         self.last_filtered: tuple[int, ...] = ()
+        self.last_excluded: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return f"Aggregator({self.label}, f={self.f})"
@@ -129,6 +134,8 @@ class Aggregator:
         )
         rows = Rows(basis)
         self.last_filtered = ()
+        self.last_excluded = ()
+        self.rule.last_excluded = ()
         rows_are_inputs = True  # until a stage mixes rows (or writes new ones), each row is one input row
         for stage in self.pre:
             rows = stage.apply(rows)
@@ -137,6 +144,9 @@ class Aggregator:
                 kept = set(rows.index.tolist())
                 self.last_filtered = tuple(i for i in range(n) if i not in kept)
         out = self.rule.aggregate(rows, row_weights)
+        if rows_are_inputs and self.rule.last_excluded:
+            inputs = range(n) if rows.index is None else rows.index.tolist()
+            self.last_excluded = tuple(sorted(inputs[i] for i in self.rule.last_excluded))
         if not basis.validated:
             basis.check_finite()
         logger.debug("%s: n=%d d=%d %s in %.3f s", self.label, n, x.shape[1], x.dtype, time.perf_counter() - started)

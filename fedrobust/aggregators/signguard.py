@@ -88,7 +88,7 @@ class SignGuard(ZeroExtra, Rule):
             int(by_norm.sum()), rows.m, int(by_sign.sum()), int(kept.sum()),
         )
         share = torch.where(kept, clip_scales(norms, median), 0.0) / int(kept.sum())
-        return rows.combine(share)
+        return self.combine_kept(rows, share)
 
     def _sign_labels(self, rows: Rows) -> Tensor:
         """2-means labels of the rows' (positive, negative, zero) coordinate fractions."""

@@ -49,6 +49,20 @@ class WrongShape(CoordinateMedian):
         return updates[:2]
 
 
+class KeepsClosest(CoordinateMedian):
+    """Averages the n - f rows closest to the median and names the others."""
+
+    def __call__(self, updates):
+        distance = (updates - super().__call__(updates)).norm(dim=1)
+        keep = distance.argsort()[: updates.shape[0] - self.f]
+        self.last_excluded = sorted(set(range(updates.shape[0])) - set(keep.tolist()))
+        return updates[keep].mean(0)
+
+
+class NamesNonsense(CoordinateMedian):
+    last_excluded = ["first"]
+
+
 class Raises(CoordinateMedian):
     def __call__(self, updates):
         raise RuntimeError("boom")
@@ -146,6 +160,21 @@ def test_library_api_takes_a_dotted_path_or_a_callable(on_path: Path) -> None:
         assert torch.equal(strategy.aggregator(rows), torch.tensor([2.0, 2.0]))
     with pytest.raises(ValueError, match="contract check.*returned shape"):
         RobustStrategy(aggregator=module.WrongShape, num_byzantine=1)
+
+
+def test_a_user_rule_names_the_rows_it_gave_no_weight(on_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    module = __import__(MODULE)
+    rows = torch.tensor([[0.0, 1.0], [1.0, 2.0], [2.0, 3.0], [3.0, 4.0], [100.0, -100.0]])
+    rule = aggregators.build(f"{MODULE}.KeepsClosest", f=1)
+    torch.testing.assert_close(rule(rows), rows[:4].mean(0))
+    assert rule.last_excluded == (4,)
+    after_direction = aggregators.build(f"{MODULE}.KeepsClosest", f=1, pre=["direction"])
+    after_direction(torch.cat([rows[:4], -rows[3:4], rows[4:]]))  # row 4 reverses the others: filtered
+    assert (after_direction.last_filtered, after_direction.last_excluded) == ((4,), (5,))
+    nonsense = aggregators.build(module.NamesNonsense, f=1)
+    with caplog.at_level("WARNING"):
+        torch.testing.assert_close(nonsense(rows), rows.median(0).values)  # the round goes on
+    assert nonsense.last_excluded == () and "last_excluded=['first'] is not a collection of row indices" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -395,6 +395,64 @@ def test_direction_then_winsorize_clamps_the_rows_it_kept() -> None:
     torch.testing.assert_close(out, aggregators.build("winsorize+nnm+trimmed_mean", f=F)(honest))
 
 
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("multikrum", {}),
+        ("dnc", {"sub_dim": 50, "niters": 3}),
+        ("signguard", {}),
+        ("clipped_clustering", {}),
+        ("fltrust", {}),
+    ],
+)
+def test_rules_that_select_rows_name_the_rows_they_gave_no_weight(name: str, params: dict[str, object]) -> None:
+    x, honest = planted("sign_flip")
+    agg = aggregators.build(name, f=F, **params)
+    if agg.needs_server_update:
+        agg.set_server_update(honest.mean(0))
+    agg(x)
+    assert agg.last_excluded == tuple(range(N - F, N))  # exactly the flipped rows
+    assert agg.last_filtered == ()
+
+
+def test_what_the_selecting_rules_exclude_carries_no_weight() -> None:
+    x, honest = planted("sign_flip", n=19)
+    krum = aggregators.build("krum", f=F)
+    out = krum(x)
+    (chosen,) = set(range(19)) - set(krum.last_excluded)
+    torch.testing.assert_close(out, x[chosen])
+    multikrum = aggregators.build("multikrum", f=F)
+    out = multikrum(x)
+    kept = [i for i in range(19) if i not in multikrum.last_excluded]
+    assert len(kept) == 19 - F
+    torch.testing.assert_close(out, x[kept].mean(0))
+    bulyan = aggregators.build("bulyan", f=F)
+    bulyan(x)
+    assert len(bulyan.last_excluded) == 2 * F  # it selects n - 2f rows, then trims each coordinate
+    sybils, _ = planted("collude", n=19)  # f identical rows
+    foolsgold = aggregators.build("foolsgold", f=F)
+    foolsgold(sybils)
+    assert foolsgold.last_excluded == tuple(range(19 - F, 19))
+    for coordinatewise in ("mean", "median", "trimmed_mean", "geometric_median", "centered_clipping"):
+        rule = aggregators.build(coordinatewise, f=F)
+        rule(x)
+        assert rule.last_excluded == ()
+
+
+def test_the_pipeline_names_rule_exclusions_by_input_row() -> None:
+    x, honest = planted("sign_flip")
+    agg = aggregators.build("direction+multikrum", f=F)
+    out = agg(x)
+    assert agg.last_filtered == tuple(range(N - F, N))
+    # Multi-Krum then leaves out f more of the rows the filter kept, named by their input row.
+    assert len(agg.last_excluded) == F and set(agg.last_excluded) < set(range(N - F))
+    left = [i for i in range(N) if i not in agg.last_filtered + agg.last_excluded]
+    torch.testing.assert_close(out, x[left].mean(0))
+    mixed = aggregators.build("nnm+multikrum", f=F)
+    mixed(x)
+    assert mixed.last_excluded == ()  # a mixed row stands for no one input row
+
+
 def test_the_pipeline_names_the_input_rows_the_filter_dropped() -> None:
     x, honest = planted("sign_flip")  # the flipped rows are the last f
     flipped = tuple(range(N - F, N))

@@ -471,9 +471,10 @@ def test_after_the_quorum_missing_replies_get_only_the_grace(grace: float) -> No
     assert outcome.aggregated and outcome.accepted == [n for n in answered if n != 103]
 
 
-def test_replies_the_direction_filter_leaves_out_are_reported_by_node() -> None:
+def test_replies_the_direction_filter_or_the_rule_leaves_out_are_reported_by_node() -> None:
     """The honest replies move the model one way, two reverse their update: the pipeline's direction filter
-    leaves those two out, and the round says which nodes they came from (a rule without it, none)."""
+    leaves those two out, and the round says which nodes they came from (a rule without it, none); so does
+    Multi-Krum, which gives them no weight."""
     n = 12
     state = _global()
     g = torch.Generator().manual_seed(4)
@@ -483,12 +484,17 @@ def test_replies_the_direction_filter_leaves_out_are_reported_by_node() -> None:
         sign = -1.0 if i in (2, 7) else 1.0
         noise = {k: 0.01 * torch.randn(d.shape, generator=g) for k, d in direction.items()}
         local.append({k: v + sign * (direction[k] + noise[k]) if k in direction else v for k, v in state.items()})
-    cases = (("direction+winsorize+nnm+trimmed_mean", [102, 107]), ("winsorize+nnm+trimmed_mean", []))
-    for aggregator, filtered in cases:
-        strategy = RobustStrategy(aggregator=aggregator, num_byzantine=3, min_train_nodes=n, progress=False)
+    cases = (
+        ("direction+winsorize+nnm+trimmed_mean", 3, [102, 107], []),
+        ("winsorize+nnm+trimmed_mean", 3, [], []),
+        ("multikrum", 2, [], [102, 107]),  # a rule that selects rows names the ones it gave no weight
+    )
+    for aggregator, f, filtered, excluded in cases:
+        strategy = RobustStrategy(aggregator=aggregator, num_byzantine=f, min_train_nodes=n, progress=False)
         instructions = _instructions(strategy, state, n, 1)
         replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, local, strict=True)]
         outcome = strategy.aggregate_round(1, replies)
         assert outcome.aggregated and len(outcome.accepted) == n
-        assert outcome.filtered == filtered
-        assert outcome.metric_record()["filtered"] == len(filtered)
+        assert (outcome.filtered, outcome.excluded) == (filtered, excluded)
+        record = outcome.metric_record()
+        assert (record["filtered"], record["excluded"]) == (len(filtered), len(excluded))

@@ -63,3 +63,20 @@ def test_the_progress_line_and_summary_name_the_replies_the_pipeline_filtered() 
     assert "dropped 0, filtered 2" in summary_text([row], 1.0)
     quiet = {**row, "filtered": 0, "filtered_nodes": []}
     assert "filtered" not in progress_line(quiet, 5) and "filtered" not in summary_text([quiet], 1.0)
+
+
+def test_the_progress_line_and_summary_name_the_replies_the_rule_gave_no_weight() -> None:
+    from fedrobust.strategies.reporting import node_lines, progress_line, summary_text
+
+    row = {
+        "round": 2, "accepted": 20, "rejected": {}, "dropped": 0, "filtered": 1, "excluded": 2,
+        "seconds_train": 0.5, "seconds_aggregate": 0.01, "filtered_nodes": [{"node": 4, "partition": 0}],
+        "excluded_nodes": [{"node": 7, "partition": 3}, {"node": 9, "partition": None}],
+    }
+    assert "filtered  1  excluded  2  train" in progress_line(row, 5)
+    assert node_lines(row) == [
+        "    filtered: node 4 (partition 0)", "    excluded by the rule: node 7 (partition 3), node 9",
+    ]
+    assert "filtered 1, excluded by the rule 2" in summary_text([row], 1.0)
+    quiet = {**row, "excluded": 0, "excluded_nodes": []}
+    assert "excluded" not in progress_line(quiet, 5) + "".join(node_lines(quiet)) + summary_text([quiet], 1.0)
