@@ -33,7 +33,9 @@ GOAL_ASR = 0.05
 DEFAULT = AggregatorConfig().name
 # "Visibly broken": the plain mean loses at least this much under the attacks that should break it.
 BROKEN_GAP = 0.20
-MUST_BREAK_MEAN = ("sign_flip (scale=4.0)", "min_max", "fang_krum", "fang_trimmed_mean")
+MUST_BREAK_MEAN = (
+    "sign_flip (scale=4.0)", "min_max", "fang_krum", "fang_trimmed_mean", "fang_trimmed_mean (b=10.0)",
+)
 
 
 def _label(attack: str, extra: Sequence[str]) -> str:
