@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,24 @@ def node_lines(row: dict[str, Any]) -> list[str]:
     return lines
 
 
+def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
+    """The nodes the pipeline filtered or the rule excluded in more than half of the rounds, most often first.
+
+    A client that attacks every round and is caught shows up here with all its rounds; an honest client
+    left out now and then does not. Empty when there is none.
+    """
+    counts: Counter[tuple[int, Any]] = Counter()
+    for row in rows:
+        entries = (*row.get("filtered_nodes", []), *row.get("excluded_nodes", []))
+        counts.update({(e["node"], e.get("partition")) for e in entries})
+    often = sorted(((c, node) for node, c in counts.items() if 2 * c > len(rows)), key=lambda t: (-t[0], t[1][0]))
+    if not often:
+        return ""
+    names = [f"{_node({'node': node, 'partition': partition})} {c}/{len(rows)}" for c, (node, partition) in often]
+    more = f" and {len(names) - listed} more" if len(names) > listed else ""
+    return "left out in most rounds: " + ", ".join(names[:listed]) + more
+
+
 def summary_text(rows: list[dict[str, Any]], seconds: float) -> str:
     if not rows:
         return "no round completed"
@@ -139,6 +158,8 @@ def summary_text(rows: list[dict[str, Any]], seconds: float) -> str:
         + (f", filtered {filtered}" if (filtered := sum(r.get("filtered", 0) for r in rows)) else "")
         + (f", excluded by the rule {excluded}" if (excluded := sum(r.get("excluded", 0) for r in rows)) else ""),
         f"rollbacks {last.get('rollbacks', 0)}, retried rounds {sum(1 for r in rows if r.get('attempts', 1) > 1)}",
-        "=" * 72,
     ]
+    if often := left_out_most(rows):
+        lines.append(often)
+    lines.append("=" * 72)
     return "\n".join(lines)

@@ -80,3 +80,23 @@ def test_the_progress_line_and_summary_name_the_replies_the_rule_gave_no_weight(
     assert "filtered 1, excluded by the rule 2" in summary_text([row], 1.0)
     quiet = {**row, "excluded": 0, "excluded_nodes": []}
     assert "excluded" not in progress_line(quiet, 5) + "".join(node_lines(quiet)) + summary_text([quiet], 1.0)
+
+
+def test_the_summary_names_the_nodes_left_out_in_most_rounds() -> None:
+    from fedrobust.strategies.reporting import left_out_most, summary_text
+
+    def row(r: int, filtered: list[int], excluded: list[int]) -> dict:
+        return {
+            "round": r, "accepted": 10, "rejected": {}, "dropped": 0, "filtered": len(filtered),
+            "excluded": len(excluded), "seconds_train": 0.1, "seconds_aggregate": 0.01,
+            "filtered_nodes": [{"node": n, "partition": n - 100} for n in filtered],
+            "excluded_nodes": [{"node": n, "partition": n - 100} for n in excluded],
+        }
+
+    # Node 107 is left out every round (by either stage), node 102 in 2 of 3, node 105 once.
+    rows = [row(1, [107], [102]), row(2, [], [107, 102]), row(3, [105, 107], [])]
+    assert left_out_most(rows) == "left out in most rounds: node 107 (partition 7) 3/3, node 102 (partition 2) 2/3"
+    assert left_out_most(rows) in summary_text(rows, 1.0)
+    assert left_out_most(rows, listed=1).endswith("3/3 and 1 more")
+    assert left_out_most(rows[2:] + [row(4, [], [])]) == ""  # once in two rounds is not most
+    assert "left out" not in summary_text([row(1, [], [])], 1.0)
