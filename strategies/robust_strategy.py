@@ -213,7 +213,7 @@ class RobustStrategy(Strategy):
         f, the number of faulty or malicious replies per round the rule tolerates.
     pre : sequence of str or mapping
         Pre-aggregators in front of a rule given by bare name or as a user rule (``nnm``, ``bucketing``,
-        ``clipping``, ``arc``, ``winsorize``, ``direction``), each a name or ``{"name": ..., **params}``.
+        ``clipping``, ``arc``, ``winsorize``, ``direction``, ``dnc``), each a name or ``{"name": ..., **params}``.
     aggregator_params : mapping, optional
         Keyword parameters of the rule.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes

@@ -11,18 +11,19 @@ tensor([1.5000, 1.5000])
 See ``docs/contracts.md`` for the contract and ``docs/benchmarks.md`` for measured speed.
 """
 
-# Importing the rule modules registers them; the order here is the order of names().
+# Importing the rule modules registers them; the order here is the order of names() and pre_names() (pre's
+# stages before DnC's filter).
 from fedrobust.aggregators import mean  # noqa: F401  isort: skip
 from fedrobust.aggregators import coordinate  # noqa: F401  isort: skip
 from fedrobust.aggregators import distance  # noqa: F401  isort: skip
 from fedrobust.aggregators import geometric  # noqa: F401  isort: skip
 from fedrobust.aggregators import bulyan  # noqa: F401  isort: skip
+from fedrobust.aggregators import pre  # noqa: F401  isort: skip
 from fedrobust.aggregators import dnc  # noqa: F401  isort: skip
 from fedrobust.aggregators import signguard  # noqa: F401  isort: skip
 from fedrobust.aggregators import clustering  # noqa: F401  isort: skip
 from fedrobust.aggregators import foolsgold  # noqa: F401  isort: skip
 from fedrobust.aggregators import fltrust  # noqa: F401  isort: skip
-from fedrobust.aggregators import pre  # noqa: F401  isort: skip
 import torch  # isort: skip
 
 from fedrobust.aggregators._backend import numba_kernels

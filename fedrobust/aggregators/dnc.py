@@ -9,11 +9,11 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from fedrobust.aggregators._registry import register_rule
-from fedrobust.aggregators.base import Rule, check_float, check_int
+from fedrobust.aggregators._registry import register_pre, register_rule
+from fedrobust.aggregators.base import PreAggregator, Rule, check_float, check_int
 from fedrobust.aggregators.rows import Rows
 
-__all__ = ["DivideAndConquer"]
+__all__ = ["DivideAndConquer", "DivideAndConquerFilter"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +87,14 @@ class DivideAndConquer(Rule):
             return self.removed + 1, f"n >= floor(c*f)+1 = {self.removed + 1}"
         return 2 * self.f + 1, "n >= 2f+1"
 
-    def aggregate(self, rows: Rows, weights: Tensor | None) -> Tensor:
+    def drop_counts(self, rows: Rows) -> tuple[Tensor, Tensor]:
+        """``[m]`` int64: in how many of the ``niters`` iterations each row was among the dropped, and
+        ``[m]`` float64: its scores summed over the iterations, each divided by that iteration's largest."""
         m, d = rows.m, rows.d
         basis = rows.basis
         coef = rows.coefficients()
         dropped = torch.zeros(m, dtype=torch.int64, device=rows.device)
+        total = torch.zeros(m, dtype=torch.float64, device=rows.device)
         for _ in range(self.niters):
             if self.sub_dim >= d:
                 columns = torch.arange(d)
@@ -109,10 +112,15 @@ class DivideAndConquer(Rule):
             # Squared projections do not depend on the eigensolver's sign; stable: equal scores go by index.
             worst = torch.sort(scores, descending=True, stable=True).indices[: self.removed]
             dropped[worst] += 1
+            total += scores / scores.max().clamp(min=torch.finfo(torch.float64).tiny)
+        return dropped, total
+
+    def aggregate(self, rows: Rows, weights: Tensor | None) -> Tensor:
+        dropped, _ = self.drop_counts(rows)
         survivors = dropped == 0
         if not bool(survivors.any()):
             survivors = dropped == dropped.min()
-        logger.debug("dnc: kept %d of %d rows", int(survivors.sum()), m)
+        logger.debug("dnc: kept %d of %d rows", int(survivors.sum()), rows.m)
         share = survivors.to(torch.float64) / int(survivors.sum())
         return self.combine_kept(rows, share)
 
@@ -125,3 +133,58 @@ class DivideAndConquer(Rule):
             raise ValueError(f"{self.name}: unknown state keys {unknown}; valid keys: generator")
         if "generator" in state:
             self.generator.set_state(state["generator"].to(device="cpu", dtype=torch.uint8))
+
+
+@register_pre
+class DivideAndConquerFilter(PreAggregator):
+    """DnC's spectral outlier removal in front of another rule: drop at most ``f`` rows, keep ``2f + 1``.
+
+    The draws and scores are :class:`DivideAndConquer`'s (``niters`` random subsets of ``sub_dim``
+    coordinates, ``floor(c * f)`` rows dropped per subset). The rows dropped in at least one subset
+    leave, those dropped most often first (then by their summed scores), but never more than ``f`` and never
+    below ``2f + 1`` rows, so the ``f`` Byzantine rows the rule after it assumes stay a minority of what
+    is left. DnC finds attacks that shift many coordinates together along one direction (min-max,
+    min-sum, Fang's attack on the trimmed mean, mimic's copies), which a coordinate-wise rule after it
+    would otherwise trim only one side of; it also drops honest rows when there is no attack (c * f of
+    them per subset), which the rule after it then does without. Needs ``n >= 2f + 1``.
+
+    Parameters
+    ----------
+    f : int
+        Most rows dropped.
+    niters, sub_dim, c, seed :
+        As for :class:`DivideAndConquer`.
+    """
+
+    name = "dnc"
+    keeps_rows = False
+
+    def __init__(self, f: int = 0, *, niters: int = 5, sub_dim: int = 10_000, c: float = 1.0, seed: int = 0) -> None:
+        super().__init__(f)
+        self.spectral = DivideAndConquer(f, niters=niters, sub_dim=sub_dim, c=c, seed=seed)
+
+    def requirement(self) -> tuple[int, str]:
+        return self.spectral.requirement()
+
+    def out_rows(self, n: int) -> int:
+        return max(n - self.f, min(n, 2 * self.f + 1))
+
+    def apply(self, rows: Rows) -> Rows:
+        m = rows.m
+        counts, total = self.spectral.drop_counts(rows)  # drawn every call, so the draws do not depend on m
+        budget = min(self.f, m - self.out_rows(m), int((counts > 0).sum()))
+        if budget <= 0:
+            return rows
+        # Most often dropped first; among those dropped equally often, the higher summed score (not the
+        # lower index, which would make the choice depend on the order the replies came in).
+        by_score = torch.sort(total, descending=True, stable=True).indices
+        dropped = by_score[torch.sort(counts[by_score], descending=True, stable=True).indices][:budget]
+        keep = torch.ones(m, dtype=torch.bool, device=counts.device)
+        keep[dropped] = False
+        return rows.select(torch.nonzero(keep).flatten())
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return self.spectral.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        self.spectral.load_state_dict(state)

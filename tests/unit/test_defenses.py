@@ -111,6 +111,46 @@ def test_dnc_after_nnm_scores_the_mixed_rows() -> None:
     torch.testing.assert_close(with_pre, direct, rtol=1e-10, atol=1e-12)
 
 
+def test_dnc_filter_drops_the_rows_dnc_drops_most_often_at_most_f() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 80, generator=g, dtype=torch.float64)
+    params = {"c": 1.5, "sub_dim": 7, "niters": 8, "seed": 2}  # floor(1.5 * 2) = 3 rows per subset
+    dropped = reference_dnc_drops(x, f=2, **params)
+    assert int((dropped > 0).sum()) > 2 and len(set(dropped.tolist())) > 2  # more rows than it may drop, ranked
+    order = torch.sort(dropped, descending=True, stable=True).indices
+    assert dropped[order[1]] > dropped[order[2]]  # the two dropped most often are clear: no tie to break
+    keep = torch.ones(11, dtype=torch.bool)
+    keep[order[:2]] = False
+    agg = aggregators.build("mean", f=2, pre=[{"name": "dnc", **params}])
+    torch.testing.assert_close(agg(x), x[keep].mean(0))
+    assert agg.last_filtered == tuple(order[:2].sort().values.tolist())
+    tight = x[:5]  # n = 2f + 1: nothing may go
+    torch.testing.assert_close(aggregators.build("mean", f=2, pre=[{"name": "dnc", **params}])(tight), tight.mean(0))
+
+
+@pytest.mark.parametrize("kind", ["collude", "sign_flip"])
+def test_dnc_filter_in_front_of_the_default_leaves_the_planted_group_out(kind: str) -> None:
+    x, honest = planted(kind)
+    agg = aggregators.build("trimmed_mean", f=F, pre=[{"name": "dnc", "sub_dim": 50}, "winsorize", "nnm"])
+    out = agg(x)
+    assert agg.last_filtered == tuple(range(N - F, N))
+    torch.testing.assert_close(out, aggregators.build("winsorize+nnm+trimmed_mean", f=F)(honest))
+
+
+def test_dnc_filter_state_replays_its_draws_after_a_restart() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 300, generator=g, dtype=torch.float64)
+    params = {"name": "dnc", "sub_dim": 3, "niters": 1, "seed": 5}
+    first = aggregators.build("mean", f=2, pre=[params])
+    first(x)
+    saved = first.state_dict()
+    later = [first(x) for _ in range(3)]
+    resumed = aggregators.build("mean", f=2, pre=[params])
+    resumed.load_state_dict(saved)
+    assert all(torch.equal(resumed(x), out) for out in later)
+    assert any(not torch.equal(later[0], out) for out in later[1:])  # the draws move on
+
+
 # --------------------------------------------------------------------------- SignGuard
 
 
