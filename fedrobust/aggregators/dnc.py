@@ -18,6 +18,27 @@ __all__ = ["DivideAndConquer", "DivideAndConquerFilter"]
 logger = logging.getLogger(__name__)
 
 
+def sample_columns(d: int, k: int, generator: torch.Generator) -> Tensor:
+    """``min(k, d)`` distinct coordinates of ``d``, uniformly at random, ascending.
+
+    A permutation of all ``d`` coordinates costs 0.4 s at d = 11.2M for a subset of 10,000. Where the
+    subset is small against ``d``, draw coordinates with replacement and keep the distinct ones: given how
+    many there are, they are a uniform subset (the procedure treats every coordinate alike), and a uniform
+    ``k`` of them is a uniform ``k``-subset of ``d``. Deterministic for a generator state.
+    """
+    if k >= d:
+        return torch.arange(d)
+    if 4 * k >= d:
+        return torch.randperm(d, generator=generator)[:k].sort().values
+    # k^2 / 2d duplicates are expected (4.5 at k = 10,000, d = 11.2M): the margin makes one draw enough.
+    distinct = torch.unique(torch.randint(d, (k + k // 8 + 16,), generator=generator))
+    while distinct.numel() < k:
+        distinct = torch.unique(torch.cat([distinct, torch.randint(d, (k,), generator=generator)]))
+    if distinct.numel() > k:
+        distinct = distinct[torch.randperm(distinct.numel(), generator=generator)[:k]].sort().values
+    return distinct
+
+
 @register_rule
 class DivideAndConquer(Rule):
     """DnC: drop the rows that stand out along the top singular direction of random coordinate subsets.
@@ -96,10 +117,7 @@ class DivideAndConquer(Rule):
         dropped = torch.zeros(m, dtype=torch.int64, device=rows.device)
         total = torch.zeros(m, dtype=torch.float64, device=rows.device)
         for _ in range(self.niters):
-            if self.sub_dim >= d:
-                columns = torch.arange(d)
-            else:
-                columns = torch.randperm(d, generator=self.generator)[: self.sub_dim].sort().values
+            columns = sample_columns(d, self.sub_dim, self.generator)
             sub = coef @ basis.columns(columns.to(rows.device)).to(torch.float64)
             if not bool(torch.isfinite(sub).all()):
                 basis.check_finite()  # raises for non-finite input; otherwise float64 overflow of a mix

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from fedrobust import aggregators
+from fedrobust.aggregators.dnc import sample_columns
 from fedrobust.aggregators.foolsgold import foolsgold_weights
 
 N, F, D = 16, 4, 200
@@ -77,12 +78,28 @@ def test_dnc_draws_new_coordinates_each_call_and_replays_them_from_the_seed() ->
     assert all(torch.equal(replay(x), out) for out in outs)
 
 
+@pytest.mark.parametrize(("d", "k"), [(1000, 30), (1000, 200), (100, 40), (50, 80)])
+def test_dnc_draws_a_uniform_subset_of_distinct_coordinates(d: int, k: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    draws = [sample_columns(d, k, g) for _ in range(3000)]
+    size = min(k, d)
+    for cols in draws[:50]:
+        assert cols.numel() == size and bool((cols[1:] > cols[:-1]).all()) and 0 <= int(cols[0]) <= int(cols[-1]) < d
+    counts = torch.bincount(torch.cat(draws), minlength=d).to(torch.float64)
+    expected = 3000 * size / d
+    # Each coordinate is in a draw with probability k/d: the counts scatter as binomials around it (5 sd).
+    sd = (3000 * (size / d) * (1 - size / d)) ** 0.5
+    assert float((counts - expected).abs().max()) <= 5 * sd + 1e-9
+    again = torch.Generator().manual_seed(0)
+    assert all(torch.equal(sample_columns(d, k, again), cols) for cols in draws[:20])  # replays from the seed
+
+
 def reference_dnc_drops(x: Tensor, f: int, c: float, sub_dim: int, niters: int, seed: int) -> Tensor:
     """How many of DnC's iterations drop each row, replaying the rule's coordinate draws."""
     g = torch.Generator().manual_seed(seed)
     dropped = torch.zeros(x.shape[0], dtype=torch.int64)
     for _ in range(niters):
-        sub = x[:, torch.randperm(x.shape[1], generator=g)[:sub_dim].sort().values]
+        sub = x[:, sample_columns(x.shape[1], sub_dim, g)]
         centred = sub - sub.mean(0)
         top = torch.linalg.svd(centred, full_matrices=False).Vh[0]
         scores = (centred @ top) ** 2
@@ -112,7 +129,7 @@ def test_dnc_after_nnm_scores_the_mixed_rows() -> None:
 
 
 def test_dnc_filter_drops_the_rows_dnc_drops_most_often_at_most_f() -> None:
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(4)
     x = torch.randn(11, 80, generator=g, dtype=torch.float64)
     params = {"c": 1.5, "sub_dim": 7, "niters": 8, "seed": 2}  # floor(1.5 * 2) = 3 rows per subset
     dropped = reference_dnc_drops(x, f=2, **params)
