@@ -684,7 +684,7 @@ class RobustStrategy(Strategy):
         # On a CUDA device: one asynchronous copy from the page-locked matrix; the rule's first kernel
         # waits for it on the same stream. The aggregate's copy back synchronises.
         rows = matrix.rows().to(device, non_blocking=True)
-        aggregate = self._call_rule(rule, rows, weights).to("cpu")
+        aggregate = self._call_rule(rule, rows, weights, self._client_ids(outcome.accepted)).to("cpu")
         outcome.filtered = [outcome.accepted[i] for i in getattr(rule, "last_filtered", ())]
         outcome.excluded = [outcome.accepted[i] for i in getattr(rule, "last_excluded", ())]
         if self._step_out is None or self._step_out.shape != (matrix.dim,):
@@ -727,14 +727,27 @@ class RobustStrategy(Strategy):
             self._rules[f] = aggregators.build(rule, f=f, pre=pre, **params)
         return self._rules[f]
 
+    def _client_ids(self, nodes: list[int]) -> list[int]:
+        """The stable id of each node's client for stages that remember clients: its partition where every
+        node's is known and no two share one (node ids are new in every simulation run, partitions are
+        not), else its node id."""
+        partitions = [self.partitions.get(n) for n in nodes]
+        if None not in partitions and len(set(partitions)) == len(partitions):
+            return [p for p in partitions if p is not None]
+        return list(nodes)
+
     def _call_rule(
-        self, rule: aggregators.Aggregator, matrix: torch.Tensor, weights: torch.Tensor | None
+        self,
+        rule: aggregators.Aggregator,
+        matrix: torch.Tensor,
+        weights: torch.Tensor | None,
+        clients: list[int] | None = None,
     ) -> torch.Tensor:
         if rule is self.aggregator:
-            return rule(matrix, weights)
-        # Stateful pipelines (centered clipping's center, adaptive clipping) carry on from the main one.
+            return rule(matrix, weights, clients=clients)
+        # Stateful pipelines (centered clipping's center, the direction filter's memory) carry on from the main one.
         rule.load_state_dict(self.aggregator.state_dict())
-        result = rule(matrix, weights)
+        result = rule(matrix, weights, clients=clients)
         self.aggregator.load_state_dict(rule.state_dict())
         return result
 

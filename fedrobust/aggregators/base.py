@@ -7,7 +7,7 @@ stacked client updates. Rules reduce rows to one vector; pre-aggregators map row
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -16,7 +16,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from fedrobust.aggregators.rows import Rows
 
-__all__ = ["Component", "PreAggregator", "Rule", "check_float", "check_int", "check_optional_int"]
+__all__ = ["Component", "PreAggregator", "Rule", "RowFilter", "check_float", "check_int", "check_optional_int"]
 
 
 def check_int(owner: str, name: str, value: object, *, minimum: int) -> int:
@@ -134,11 +134,18 @@ class PreAggregator(Component):
         which keeps distances translation-invariant and lets them be computed from centered data.
     needs_norms : bool
         The stage reads the rows' norms or inner products, not only distances between them.
+    uses_clients : bool
+        The stage keeps something per client across calls, and takes the clients of its rows through
+        :meth:`set_clients` before each :meth:`apply`.
     """
 
     keeps_rows: ClassVar[bool] = True
     affine: ClassVar[bool] = True
     needs_norms: ClassVar[bool] = False
+    uses_clients: ClassVar[bool] = False
+
+    def set_clients(self, clients: Sequence[int] | None) -> None:
+        """The client of each row of the next :meth:`apply` (stable ids), or ``None`` when unknown."""
 
     def out_rows(self, n: int) -> int:
         """Number of rows produced from ``n`` input rows (the fewest, for a stage that drops rows)."""
@@ -147,6 +154,41 @@ class PreAggregator(Component):
     def apply(self, rows: Rows) -> Rows:
         """Return the transformed rows (lazily; the data is not touched)."""
         raise NotImplementedError
+
+
+class RowFilter(PreAggregator):
+    """A pre-aggregator that drops rows: at most ``f``, and never below ``2f + 1`` rows.
+
+    The ``f`` Byzantine rows the stages after it still assume then stay a minority of what is left. The
+    rows kept pass on unchanged (a selection, no copy) and are named in ``last_kept``, so the pipeline
+    can say which replies were left out and whose rows the next stages see. Subclasses implement
+    :meth:`choose`.
+    """
+
+    keeps_rows = False
+    last_kept: Tensor | None = None
+    """The input rows the last call kept (int64, ascending); ``None`` when it kept every row."""
+
+    def requirement(self) -> tuple[int, str]:
+        return 2 * self.f + 1, "n >= 2f+1"
+
+    def out_rows(self, n: int) -> int:
+        return max(n - self.f, min(n, 2 * self.f + 1))
+
+    def choose(self, rows: Rows, budget: int) -> Tensor:
+        """The rows to drop (int64 indices, at most ``budget``; ``budget`` may be 0 or less)."""
+        raise NotImplementedError
+
+    def apply(self, rows: Rows) -> Rows:
+        m = rows.m
+        dropped = self.choose(rows, min(self.f, m - self.out_rows(m)))
+        self.last_kept = None
+        if dropped.numel() == 0:
+            return rows
+        keep = torch.ones(m, dtype=torch.bool, device=dropped.device)
+        keep[dropped] = False
+        self.last_kept = torch.nonzero(keep).flatten()
+        return rows.select(self.last_kept)
 
 
 def describe_dtype(t: Tensor) -> str:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from fedrobust.aggregators._registry import register_pre, register_rule
-from fedrobust.aggregators.base import PreAggregator, Rule, check_float, check_int
+from fedrobust.aggregators.base import RowFilter, Rule, check_float, check_int
 from fedrobust.aggregators.rows import Rows
 
 __all__ = ["DivideAndConquer", "DivideAndConquerFilter"]
@@ -154,7 +154,7 @@ class DivideAndConquer(Rule):
 
 
 @register_pre
-class DivideAndConquerFilter(PreAggregator):
+class DivideAndConquerFilter(RowFilter):
     """DnC's spectral outlier removal in front of another rule: drop at most ``f`` rows, keep ``2f + 1``.
 
     The draws and scores are :class:`DivideAndConquer`'s (``niters`` random subsets of ``sub_dim``
@@ -175,7 +175,6 @@ class DivideAndConquerFilter(PreAggregator):
     """
 
     name = "dnc"
-    keeps_rows = False
 
     def __init__(self, f: int = 0, *, niters: int = 5, sub_dim: int = 10_000, c: float = 1.0, seed: int = 0) -> None:
         super().__init__(f)
@@ -184,22 +183,15 @@ class DivideAndConquerFilter(PreAggregator):
     def requirement(self) -> tuple[int, str]:
         return self.spectral.requirement()
 
-    def out_rows(self, n: int) -> int:
-        return max(n - self.f, min(n, 2 * self.f + 1))
-
-    def apply(self, rows: Rows) -> Rows:
-        m = rows.m
+    def choose(self, rows: Rows, budget: int) -> Tensor:
         counts, total = self.spectral.drop_counts(rows)  # drawn every call, so the draws do not depend on m
-        budget = min(self.f, m - self.out_rows(m), int((counts > 0).sum()))
+        budget = min(budget, int((counts > 0).sum()))
         if budget <= 0:
-            return rows
+            return torch.empty(0, dtype=torch.int64, device=counts.device)
         # Most often dropped first; among those dropped equally often, the higher summed score (not the
         # lower index, which would make the choice depend on the order the replies came in).
         by_score = torch.sort(total, descending=True, stable=True).indices
-        dropped = by_score[torch.sort(counts[by_score], descending=True, stable=True).indices][:budget]
-        keep = torch.ones(m, dtype=torch.bool, device=counts.device)
-        keep[dropped] = False
-        return rows.select(torch.nonzero(keep).flatten())
+        return by_score[torch.sort(counts[by_score], descending=True, stable=True).indices][:budget]
 
     def state_dict(self) -> dict[str, Tensor]:
         return self.spectral.state_dict()

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from fedrobust.aggregators.base import Component, PreAggregator, Rule, describe_dtype
+from fedrobust.aggregators.base import Component, PreAggregator, RowFilter, Rule, describe_dtype
 from fedrobust.aggregators.rows import Basis, Rows
 
 __all__ = ["Aggregator"]
@@ -90,7 +90,9 @@ class Aggregator:
             n += 1
         return n
 
-    def __call__(self, updates: Tensor, weights: Tensor | None = None) -> Tensor:
+    def __call__(
+        self, updates: Tensor, weights: Tensor | None = None, *, clients: Sequence[int] | None = None
+    ) -> Tensor:
         """Aggregate ``[n, d]`` updates into one ``[d]`` vector.
 
         Parameters
@@ -100,6 +102,10 @@ class Aggregator:
             and any device. Every entry must be finite.
         weights : Tensor, optional
             ``[n]`` non-negative per-row weights, only for rules with ``supports_weights``.
+        clients : sequence of int, optional
+            The client each row comes from, by an id that stays the same across calls (a partition
+            or node id). Stages that remember clients across rounds (the direction filter's memory)
+            use it; without it each call stands alone.
 
         Returns
         -------
@@ -124,6 +130,7 @@ class Aggregator:
                 f"this pipeline needs n >= {self.min_n()}"
             )
         row_weights = self._check_weights(weights, n, x.device)
+        keys = self._check_clients(clients, n)
         basis = Basis(
             x,
             extras=self.rule.extra_vectors(x),
@@ -137,8 +144,16 @@ class Aggregator:
         self.last_excluded = ()
         self.rule.last_excluded = ()
         rows_are_inputs = True  # until a stage mixes rows (or writes new ones), each row is one input row
+        sources: list[int] | None = list(range(n))  # the input row each row stands for, while one does
         for stage in self.pre:
+            if stage.uses_clients:
+                stage.set_clients(None if keys is None or sources is None else [keys[i] for i in sources])
             rows = stage.apply(rows)
+            if isinstance(stage, RowFilter):
+                if sources is not None and stage.last_kept is not None:
+                    sources = [sources[i] for i in stage.last_kept.tolist()]
+            elif not stage.keeps_rows:
+                sources = None
             rows_are_inputs = rows_are_inputs and rows.mix is None and rows.basis.x is x
             if rows_are_inputs and rows.index is not None:
                 kept = set(rows.index.tolist())
@@ -172,6 +187,19 @@ class Aggregator:
                 f"{self.label}: expected a floating-point tensor, got {describe_dtype(updates)} (n={n}, f={self.f})"
             )
         return updates.detach()
+
+    def _check_clients(self, clients: Sequence[int] | None, n: int) -> list[int] | None:
+        if clients is None:
+            return None
+        keys = list(clients)
+        if len(keys) != n or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in keys):
+            raise ValueError(
+                f"{self.label}: clients must be {n} non-negative integer ids, one per row, got {keys[:5]!r}"
+                + (" ..." if len(keys) > 5 else "")
+            )
+        if len(set(keys)) != n:
+            raise ValueError(f"{self.label}: clients must be distinct, one per row; got repeats in {keys!r}")
+        return keys
 
     def _check_weights(self, weights: Tensor | None, n: int, device: torch.device) -> Tensor | None:
         if weights is None:

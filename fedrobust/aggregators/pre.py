@@ -1,4 +1,6 @@
-"""Pre-aggregators: NNM, bucketing, static clipping, adaptive robust clipping (ARC) and winsorizing.
+"""Pre-aggregators that map rows to rows: NNM, bucketing, static clipping, ARC and winsorizing.
+
+The stages that drop rows are in :mod:`fedrobust.aggregators.filters`.
 
 All but winsorizing return new rows as a linear map of their input rows (see
 :mod:`fedrobust.aggregators.rows`), so a chain of them costs no pass over the ``[n, d]`` data beyond the
@@ -24,7 +26,6 @@ __all__ = [
     "Bucketing",
     "Clipping",
     "CoordinateWinsorizing",
-    "DirectionFilter",
     "NearestNeighborMixing",
 ]
 
@@ -196,75 +197,3 @@ class CoordinateWinsorizing(PreAggregator):
                         owner=base.owner, f=base.f)
         clamped.validated = True  # the order statistics above passed over every value
         return Rows(clamped)
-
-
-@register_pre
-class DirectionFilter(PreAggregator):
-    """Drop rows that push against the others: at most ``f``, and only clear outliers.
-
-    A row's score is its inner product with a robust mean of the other rows, divided by its own norm
-    (the cosine with that mean, times the mean's norm): per other row, the inner product with this
-    row; of those ``m - 1`` values, the ``f`` largest and ``f`` smallest are trimmed and the rest
-    averaged. The mean of many rows carries the direction the model learns in with little of each
-    client's noise, so an honest row scores above zero even on non-IID data, while a row that reverses
-    an update (sign flip), pushes against the mean (IPM, Fang's attacks) or only adds noise scores
-    at or below zero. A row is dropped when its score is at most zero **and** lies more than ``z``
-    scaled median absolute deviations below the median score: late in training honest rows also
-    score near zero, and a plain sign test would drop them.
-
-    At most ``f`` rows are dropped (the lowest scores, ties to the lower index) and at least
-    ``2f + 1`` rows are kept, so the ``f`` Byzantine rows the stages after it still assume stay a
-    minority of what is left. Dropping the reversed rows before a coordinate-wise rule keeps that rule
-    from trimming honest values on one side only, which biases it on non-IID data. The scores come
-    from the Gram matrix of the rows, one pass over the data; a stage after it that reads the same rows
-    (NNM or a distance rule, with no winsorizing between) reuses that matrix. Needs ``n >= 2f + 1``;
-    with ``f = 0`` the rows pass unchanged.
-
-    Parameters
-    ----------
-    f : int
-        Most rows dropped, and the trimming of each row's inner products.
-    z : float, default 3.0
-        How many scaled median absolute deviations (``1.4826 * MAD``, the standard deviation for
-        normal scores) below the median score a row must lie to be dropped.
-    """
-
-    name = "direction"
-    keeps_rows = False
-    needs_norms = True
-
-    def __init__(self, f: int = 0, *, z: float = 3.0) -> None:
-        super().__init__(f)
-        self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
-
-    def requirement(self) -> tuple[int, str]:
-        return 2 * self.f + 1, "n >= 2f+1"
-
-    def out_rows(self, n: int) -> int:
-        return max(n - self.f, min(n, 2 * self.f + 1))
-
-    def scores(self, rows: Rows) -> Tensor:
-        """``[m]`` float64: each row's inner product with the trimmed mean of the others, over its norm."""
-        m = rows.m
-        norms = rows.sq_norms()
-        inner = 0.5 * (norms[:, None] + norms[None, :] - rows.sq_distances())
-        others = inner[~torch.eye(m, dtype=torch.bool, device=inner.device)].view(m, m - 1)
-        trim = min(self.f, (m - 2) // 2)
-        kept = torch.sort(others, dim=1).values[:, trim : m - 1 - trim]
-        return kept.mean(dim=1) / norms.sqrt().clamp(min=torch.finfo(torch.float64).tiny)
-
-    def apply(self, rows: Rows) -> Rows:
-        m = rows.m
-        budget = min(self.f, m - self.out_rows(m))
-        if budget <= 0:
-            return rows
-        ranked = torch.sort(self.scores(rows), stable=True)
-        center = ranked.values[(m - 1) // 2]
-        spread = 1.4826 * (ranked.values - center).abs().median()
-        outlying = (ranked.values <= 0) & (ranked.values < center - self.z * spread)
-        dropped = ranked.indices[outlying][:budget]
-        if dropped.numel() == 0:
-            return rows
-        keep = torch.ones(m, dtype=torch.bool, device=dropped.device)
-        keep[dropped] = False
-        return rows.select(torch.nonzero(keep).flatten())

@@ -40,13 +40,15 @@ PRE_PARAMS: dict[str, dict] = {
     "arc": {},
     "winsorize": {},
     "direction": {},
+    "dedup": {},
     "dnc": {"sub_dim": 20, "niters": 2},
 }
 # Rules after a pre-aggregator: one distance-based and one coordinate-wise rule.
 PIPELINES = [(rule, ()) for rule in RULE_PARAMS] + [(rule, (pre,)) for pre in PRE_PARAMS for rule in ("krum", "median")]
 # Properties that hold for some pipelines only.
 TRANSLATION_EQUIVARIANT = {"mean", "median", "trimmed_mean", "krum", "multikrum", "geometric_median", "bulyan", "dnc"}
-AFFINE_PRES = {"nnm", "bucketing", "winsorize", "dnc"}  # keep translation equivariance; clipping and ARC do not
+# Keep translation equivariance; clipping, ARC and the direction filter (it reads norms) do not.
+AFFINE_PRES = {"nnm", "bucketing", "winsorize", "dnc", "dedup"}
 PERMUTATION_DEPENDENT_PRES = {"bucketing"}  # which rows share a bucket depends on the row order
 # Rules whose state (a center, a generator) survives a call; the others must report an empty state.
 STATEFUL = {"centered_clipping", "dnc"}
@@ -371,7 +373,7 @@ def test_state_is_empty_for_stateless_pipelines(pipeline):
     agg = make(*pipeline)
     agg(data(sample_size(agg)))
     state = agg.state_dict()
-    stateful = STATEFUL & {rule_name(rule)} or {"bucketing", "dnc"} & set(pres)
+    stateful = STATEFUL & {rule_name(rule)} or {"bucketing", "dnc", "direction"} & set(pres)
     assert bool(state) == bool(stateful)
     assert all(isinstance(v, torch.Tensor) for v in state.values())
 

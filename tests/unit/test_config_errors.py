@@ -58,7 +58,7 @@ WRONG: dict[str, Wrong] = {
     "aggregator.pre": Wrong(
         "nmm",
         "nmm",
-        "unknown choice; valid choices: arc, bucketing, clipping, direction, dnc, nnm, winsorize",
+        "unknown choice; valid choices: arc, bucketing, clipping, dedup, direction, dnc, nnm, winsorize",
         ("aggregator.name=trimmed_mean",),
     ),
     "aggregator.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) bogus; valid parameters:"),

@@ -498,3 +498,23 @@ def test_replies_the_direction_filter_or_the_rule_leaves_out_are_reported_by_nod
         assert (outcome.filtered, outcome.excluded) == (filtered, excluded)
         record = outcome.metric_record()
         assert (record["filtered"], record["excluded"]) == (len(filtered), len(excluded))
+
+
+def test_the_direction_filter_remembers_replies_by_partition_or_else_by_node() -> None:
+    """The strategy names each row's client: its partition when every node's is known (node ids change
+    from one simulation run to the next), else its node id; the filter's memory is kept under those."""
+    n, state = 8, _global()
+    by_partition = {100 + i: n - 1 - i for i in range(n)}
+    for partitions, expected in (({}, [100 + i for i in range(n)]), (by_partition, list(range(n)))):
+        strategy = RobustStrategy(
+            aggregator="direction+winsorize+nnm+trimmed_mean", num_byzantine=F, min_train_nodes=n, progress=False
+        )
+        strategy.partitions.update(partitions)
+        for server_round in (1, 2):
+            instructions = _instructions(strategy, state, n, server_round)
+            local = _locals(state, n, seed=server_round)
+            replies = [_reply(m, ArrayRecord(s), 10) for m, s in zip(instructions, local, strict=True)]
+            assert strategy.aggregate_round(server_round, replies).aggregated
+        memory = strategy.aggregator.state_dict()
+        assert sorted(memory["pre.0.memory.clients"].tolist()) == expected
+        assert memory["pre.0.memory.rounds"].tolist() == [2] * n

@@ -1,0 +1,231 @@
+"""Pre-aggregators that drop rows: the direction filter (with its memory of each client) and duplicates.
+
+Like every :class:`~fedrobust.aggregators.base.RowFilter`, each leaves out at most ``f`` rows and
+never so many that fewer than ``2f + 1`` are left.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from fedrobust.aggregators._registry import register_pre
+from fedrobust.aggregators.base import RowFilter, check_float
+from fedrobust.aggregators.rows import Rows
+
+__all__ = ["ClientEvidence", "DirectionFilter", "DuplicateFilter"]
+
+_INT64 = 1 << 64
+
+
+class ClientEvidence:
+    """Per client, the evidence of the rounds it took part in: a combined z-score and a relative score.
+
+    For each round a client's row was scored, :meth:`add` takes its score's z-score within the round
+    (its distance from the round's median score in scaled MADs) and its score relative to the median
+    score. :meth:`suspects` combines the z-scores by Stouffer's method (their sum over the square root
+    of the number of rounds), which stays near ``N(0, 1)`` for a client that is as often above the median
+    as below it, and moves away by the square root of the rounds for one that is always on one side.
+    Keys are the clients' integer ids (partition or node ids); they are kept as signed 64-bit integers in
+    the state, so node ids up to ``2**64`` round-trip.
+    """
+
+    def __init__(self) -> None:
+        self.z_sum: dict[int, float] = {}
+        self.relative_sum: dict[int, float] = {}
+        self.rounds: dict[int, int] = {}
+
+    def add(self, clients: Sequence[int], z: Tensor, relative: Tensor) -> None:
+        for client, zi, ri in zip(clients, z.tolist(), relative.tolist(), strict=True):
+            self.z_sum[client] = self.z_sum.get(client, 0.0) + zi
+            self.relative_sum[client] = self.relative_sum.get(client, 0.0) + ri
+            self.rounds[client] = self.rounds.get(client, 0) + 1
+
+    def combined(self, clients: Sequence[int]) -> Tensor:
+        """``[m]`` float64: each client's combined z-score (0 for a client not seen yet)."""
+        return torch.tensor(
+            [self.z_sum.get(c, 0.0) / math.sqrt(self.rounds.get(c, 1)) for c in clients], dtype=torch.float64
+        )
+
+    def relative(self, clients: Sequence[int]) -> Tensor:
+        """``[m]`` float64: each client's summed score relative to its rounds' median scores."""
+        return torch.tensor([self.relative_sum.get(c, 0.0) for c in clients], dtype=torch.float64)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        keys = sorted(self.rounds)
+        return {
+            "clients": torch.tensor([(k + (1 << 63)) % _INT64 - (1 << 63) for k in keys], dtype=torch.int64),
+            "z_sum": torch.tensor([self.z_sum[k] for k in keys], dtype=torch.float64),
+            "relative_sum": torch.tensor([self.relative_sum[k] for k in keys], dtype=torch.float64),
+            "rounds": torch.tensor([self.rounds[k] for k in keys], dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Tensor], owner: str) -> None:
+        names = ("clients", "z_sum", "relative_sum", "rounds")
+        if set(state) != set(names):
+            raise ValueError(f"{owner}: memory state needs the keys {list(names)}, got {sorted(state)}")
+        lengths = {state[name].numel() for name in names}
+        if len(lengths) != 1:
+            raise ValueError(f"{owner}: memory state tensors differ in length: {sorted(lengths)}")
+        keys = [k % _INT64 for k in state["clients"].tolist()]  # back to the non-negative ids
+        self.z_sum = dict(zip(keys, state["z_sum"].tolist(), strict=True))
+        self.relative_sum = dict(zip(keys, state["relative_sum"].tolist(), strict=True))
+        self.rounds = dict(zip(keys, state["rounds"].tolist(), strict=True))
+
+
+@register_pre
+class DirectionFilter(RowFilter):
+    """Drop rows that push against the others, in this round or over the rounds a client took part in.
+
+    A row's score is its inner product with a robust mean of the other rows, divided by its own norm
+    (the cosine with that mean, times the mean's norm): per other row, the inner product with this
+    row; of those ``m - 1`` values, the ``f`` largest and ``f`` smallest are trimmed and the rest
+    averaged. The mean of many rows carries the direction the model learns in with little of each
+    client's noise, so an honest row scores above zero even on non-IID data, while a row that reverses
+    an update (sign flip), pushes against the mean (IPM, Fang's attacks) or only adds noise scores
+    at or below zero.
+
+    **This round.** A row is dropped when its score is at most zero **and** lies more than ``z``
+    scaled median absolute deviations below the median score: late in training honest rows also
+    score near zero, and a plain sign test would drop them.
+
+    **Memory** (when the pipeline is given the clients of the rows, as
+    :class:`~fedrobust.strategies.RobustStrategy` does). Late in training a reversed update scores near
+    zero like the honest ones and passes the round's test; but the same client scored below the others
+    in the earlier rounds too. So the filter keeps, per client, the z-scores of its rounds (the score's
+    distance from the round's median in scaled MADs) and its scores relative to each round's median.
+    A client is a suspect when its combined z-score (Stouffer's: the sum over the square root of its
+    rounds) is below ``-z`` **and** its relative scores sum to at most zero: over its rounds, it pushed
+    against the others more than it pulled with them. A client of non-IID data that is often below the
+    median but still pulls the same way is not a suspect. Suspects are dropped first (lowest combined
+    z-score first), then the round's outliers (lowest score first).
+
+    At most ``f`` rows are dropped and at least ``2f + 1`` kept. The scores come from the Gram matrix of
+    the rows, one pass over the data; a stage after it that reads the same rows (NNM or a distance rule,
+    with no winsorizing between) reuses that matrix. Needs ``n >= 2f + 1``; with ``f = 0`` the rows
+    pass unchanged.
+
+    Parameters
+    ----------
+    f : int
+        Most rows dropped, and the trimming of each row's inner products.
+    z : float, default 3.0
+        How many scaled median absolute deviations (``1.4826 * MAD``, the standard deviation for
+        normal scores) below the median score a row must lie to be dropped; the same bound on a
+        client's combined z-score.
+    memory : bool, default True
+        Keep each client's evidence over the rounds (and in the checkpoint). Without the rows' clients
+        (``Aggregator(updates)`` with no ``clients``) each call stands alone either way.
+    """
+
+    name = "direction"
+    needs_norms = True
+    uses_clients = True
+
+    def __init__(self, f: int = 0, *, z: float = 3.0, memory: bool = True) -> None:
+        super().__init__(f)
+        self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
+        if not isinstance(memory, bool):
+            raise ValueError(f"{self.name}: parameter memory must be true or false, got {memory!r}")
+        self.memory = memory
+        self.evidence = ClientEvidence()
+        self.clients: list[int] | None = None
+
+    def set_clients(self, clients: Sequence[int] | None) -> None:
+        self.clients = None if clients is None else list(clients)
+
+    def scores(self, rows: Rows) -> Tensor:
+        """``[m]`` float64: each row's inner product with the trimmed mean of the others, over its norm."""
+        m = rows.m
+        norms = rows.sq_norms()
+        inner = 0.5 * (norms[:, None] + norms[None, :] - rows.sq_distances())
+        others = inner[~torch.eye(m, dtype=torch.bool, device=inner.device)].view(m, m - 1)
+        trim = min(self.f, (m - 2) // 2)
+        kept = torch.sort(others, dim=1).values[:, trim : m - 1 - trim]
+        return kept.mean(dim=1) / norms.sqrt().clamp(min=torch.finfo(torch.float64).tiny)
+
+    def choose(self, rows: Rows, budget: int) -> Tensor:
+        if budget <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        scores = self.scores(rows).cpu()
+        ranked = torch.sort(scores, stable=True)
+        center = ranked.values[(rows.m - 1) // 2]
+        spread = 1.4826 * (ranked.values - center).abs().median()
+        outlying = (ranked.values <= 0) & (ranked.values < center - self.z * spread)
+        this_round = ranked.indices[outlying]
+        if not (self.memory and self.clients is not None):
+            return this_round[:budget].to(rows.device)
+        if len(self.clients) != rows.m:
+            raise ValueError(f"{self.name}: {len(self.clients)} clients given for {rows.m} rows")
+        # A round whose scores do not spread (or whose median row pulls nowhere) adds no evidence. The
+        # relative score is capped at one median score either way: late in training the median is near
+        # zero, and an uncapped ratio would let one round outweigh all the others.
+        z = (scores - center) / spread if spread > 0 else torch.zeros_like(scores)
+        relative = (scores / center).clamp(-1.0, 1.0) if center > 0 else torch.zeros_like(scores)
+        self.evidence.add(self.clients, z, relative)
+        combined = self.evidence.combined(self.clients)
+        suspect = (combined < -self.z) & (self.evidence.relative(self.clients) <= 0)
+        by_evidence = torch.sort(combined, stable=True).indices
+        suspects = by_evidence[suspect[by_evidence]]
+        rest = this_round[~torch.isin(this_round, suspects)]
+        return torch.cat([suspects, rest])[:budget].to(rows.device)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        if not self.memory:
+            return {}
+        return {f"memory.{key}": value for key, value in self.evidence.state_dict().items()}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        unknown = [key for key in state if not (self.memory and key.startswith("memory."))]
+        if unknown:
+            valid = "memory.clients, memory.z_sum, memory.relative_sum, memory.rounds" if self.memory else "none"
+            raise ValueError(f"{self.name}: unknown state keys {sorted(unknown)}; valid keys: {valid}")
+        if state:
+            self.evidence.load_state_dict({k.removeprefix("memory."): v for k, v in state.items()}, self.name)
+
+
+@register_pre
+class DuplicateFilter(RowFilter):
+    """Keep one row of each group of (near) copies: sybils that send the same update.
+
+    Attackers who copy one update (mimic copies an honest client's; ALIE, IPM and min-max send one
+    crafted update ``f`` times) give it ``f + 1`` times the weight of a client in every rule after them;
+    on non-IID data one client's data then pulls the model its way. Honest clients with their own data
+    never send the same update. A row is dropped when it lies within ``tol`` times the typical
+    nearest-neighbour distance (the median over rows) of an earlier row that is kept; the first row of
+    each group stays. At most ``f`` rows are dropped and at least ``2f + 1`` kept, like the other filters.
+    An attacker who adds noise larger than that to each copy is not caught here (FoolsGold weighs such
+    near-copies down by their cosine similarity). Needs ``n >= 2f + 1``.
+
+    Parameters
+    ----------
+    f : int
+        Most rows dropped.
+    tol : float, default 0.01
+        The largest distance to a kept row, as a fraction of the median nearest-neighbour distance,
+        at which a row counts as its copy. Exact copies only when more than half the rows coincide.
+    """
+
+    name = "dedup"
+
+    def __init__(self, f: int = 0, *, tol: float = 0.01) -> None:
+        super().__init__(f)
+        self.tol = check_float(self.name, "tol", tol, minimum=0.0, inclusive=True, maximum=1.0)
+
+    def choose(self, rows: Rows, budget: int) -> Tensor:
+        if budget <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        dist = rows.sq_distances().cpu().clone()
+        dist.fill_diagonal_(math.inf)
+        close = dist <= self.tol**2 * dist.min(dim=1).values.median()
+        dropped: list[int] = []
+        kept: list[int] = []
+        for row in range(rows.m):
+            if len(dropped) < budget and kept and bool(close[row, kept].any()):
+                dropped.append(row)
+            else:
+                kept.append(row)
+        return torch.tensor(dropped, dtype=torch.int64, device=rows.device)
