@@ -44,15 +44,26 @@ def _label(attack: str, extra: Sequence[str]) -> str:
     return f"{attack} ({', '.join(settings)})" if settings else attack
 
 
-def labelled_results(dirs: Sequence[Path]) -> list[dict[str, Any]]:
-    """The results of every sweep in ``dirs``, each attack labelled with its sweep's extra settings."""
-    results = []
+def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The results of every sweep in ``dirs``, each attack labelled with its sweep's extra settings.
+
+    A run found in more than one sweep (same partition, rule, labelled attack and seed) counts once, from
+    the first sweep that has it, so sweeps that overlap can be combined. With ``rules``, only those rules
+    and clean FedAvg are kept.
+    """
+    results, seen = [], set()
     for directory in dirs:
         try:
             extra = json.loads((directory / "study.json").read_text()).get("settings", {}).get("extra", [])
         except (OSError, ValueError):
             extra = []
-        results += [r | {"attack": _label(r["attack"], extra)} for r in load_results(directory)]
+        for r in load_results(directory):
+            r = r | {"attack": _label(r["attack"], extra)}
+            key = (r["partition"], r["rule"], r["attack"], r["seed"])
+            keep = not rules or r["rule"] in rules or (r["rule"], r["attack"]) == (CLEAN_RULE, CLEAN_ATTACK)
+            if keep and key not in seen:
+                seen.add(key)
+                results.append(r)
     return results
 
 
@@ -184,16 +195,23 @@ def _asr(x: float) -> str:
 
 
 def section(
-    dirs: Sequence[Path], figure: Path | None = None, *, commands: Sequence[str] = (), incumbent: str = DEFAULT
+    dirs: Sequence[Path],
+    figure: Path | None = None,
+    *,
+    commands: Sequence[str] = (),
+    incumbent: str = DEFAULT,
+    rules: Sequence[str] = (),
 ) -> list[str]:
     """The report section: each fixed configuration's worst case, the chosen default, then per attack."""
-    results = labelled_results(dirs)
+    results = labelled_results(dirs, rules)
     if not results:
         return []
     table = cells(results)
     cases = worst_cases(table)
     chosen, why = choose(cases, incumbent) if cases else (None, "")
     mean_case = next(iter(c for c in worst_cases(table, include_mean=True) if c.rule == CLEAN_RULE), None)
+    if not any(k[1] == CLEAN_RULE and k[2] != CLEAN_ATTACK for k in table):
+        mean_case = None  # only the clean reference ran: the mean was not measured under attack
     partitions = [p for p in PARTITIONS if any(k[0] == p for k in table)]
     attacks = {p: sorted({k[2] for k in table if k[0] == p}) for p in partitions}
     seeds = sorted({r["seed"] for r in results})
@@ -201,10 +219,7 @@ def section(
     lines = [
         "## Robust by default: the worst case of each fixed configuration",
         "",
-        "```",
-        *commands,
-        "```",
-        "",
+        *(["```", *commands, "```", ""] if commands else []),
         f"{len(results)} runs. Digits, MLP, {results[0]['num_clients']} clients, f = {results[0]['num_byzantine']}, "
         f"{results[0]['num_rounds']} rounds, seeds {', '.join(map(str, seeds))}; each cell is the final accuracy "
         "averaged over the seeds (a run that stopped counts as 0). The gap is clean FedAvg's accuracy (mean, "
@@ -305,3 +320,19 @@ def plot(cases: list[WorstCase], partitions: list[str], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the section for sweeps given on the command line (overlapping sweeps count each run once)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m experiments.worst_case", description=main.__doc__)
+    parser.add_argument("dirs", type=Path, nargs="+", help="study result directories")
+    parser.add_argument("--rules", nargs="+", default=[], help="only these configurations (and clean FedAvg)")
+    parser.add_argument("--incumbent", default=DEFAULT, help=f"the current default (default: {DEFAULT})")
+    args = parser.parse_args(argv)
+    print("\n".join(section(args.dirs, rules=args.rules, incumbent=args.incumbent)))
+
+
+if __name__ == "__main__":
+    main()

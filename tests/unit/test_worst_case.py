@@ -114,3 +114,20 @@ def test_the_default_changes_only_when_the_challenger_wins_beyond_the_seeds_nois
     cases = _noisy_study(tmp_path / "b", (0.955, 0.955))
     chosen, why = worst_case.choose(cases, "incumbent")
     assert chosen.rule == "challenger" and why.startswith("the lowest score, 1.50 below incumbent's")
+
+
+def test_a_run_in_two_overlapping_sweeps_counts_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ten seeds gathered from a three-seed sweep and a later ten-seed one: seeds 0-2 are in both."""
+    clean = [_run("iid", "mean", "none", s, 0.96) for s in range(4)]
+    early = _write(tmp_path / "early", clean[:2] + [_run("iid", "r", "mimic", s, 0.90) for s in (0, 1)]
+                   + [_run("iid", "other", "mimic", 0, 0.5)])
+    later = _write(tmp_path / "later", clean + [_run("iid", "r", "mimic", s, 0.90 + 0.01 * s) for s in range(4)])
+    results = worst_case.labelled_results([early, later], rules=["r"])
+    expected = [("mean", s) for s in range(4)] + [("r", s) for s in range(4)]
+    assert sorted((r["rule"], r["seed"]) for r in results) == expected
+    # The first sweep that has a run gives it: seed 1 is early's 0.90, not later's 0.91.
+    assert {r["seed"]: r["rows"][-1]["accuracy"] for r in results if r["rule"] == "r"} == {
+        0: 0.90, 1: 0.90, 2: 0.92, 3: 0.93}
+    worst_case.main([str(early), str(later), "--rules", "r", "--incumbent", "r"])
+    printed = capsys.readouterr().out
+    assert "| **r** (chosen) | 4.7 (mimic) |" in printed and "other" not in printed
