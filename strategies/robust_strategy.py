@@ -200,9 +200,12 @@ class RobustStrategy(Strategy):
         The robust rule. A name from ``fedrobust.aggregators.names()`` (``trimmed_mean``, ``median``,
         ``krum``, ``multikrum``, ``geometric_median``, ``centered_clipping``, ``bulyan``, ``mean``,
         ...), or a pipeline: pre-aggregators, then the rule, joined with ``+``. The default,
-        ``winsorize+nnm+trimmed_mean``, has the best worst case over the attack set of the project's
-        study (docs/results.md); a user rule's dotted path (``"my_pkg.rules.MyRule"`` or ``"my_pkg.rules:MyRule"``, as a
-        config's ``aggregator._target_``), or that class or factory itself: called with ``f`` (when
+        ``direction+dedup+winsorize+nnm+trimmed_mean``, has the best worst case over the attack set of
+        the project's study (docs/results.md): it drops replies that push against the others (this
+        round, or over the rounds their client took part in) and copies of one update, then
+        winsorizes, mixes neighbours and trims each coordinate; a user rule's dotted path
+        (``"my_pkg.rules.MyRule"`` or ``"my_pkg.rules:MyRule"``, as a config's
+        ``aggregator._target_``), or that class or factory itself: called with ``f`` (when
         its signature names it) and ``aggregator_params``, it returns a callable from the ``[n, d]``
         update matrix to the ``[d]`` aggregate (the rule protocol of :mod:`fedrobust.components`) and
         is contract-checked when built; or an aggregator already built with
@@ -317,7 +320,7 @@ class RobustStrategy(Strategy):
 
     def __init__(
         self,
-        aggregator: str | Callable[..., Any] | aggregators.Aggregator = "winsorize+nnm+trimmed_mean",
+        aggregator: str | Callable[..., Any] | aggregators.Aggregator = "direction+dedup+winsorize+nnm+trimmed_mean",
         num_byzantine: int = 0,
         *,
         pre: Sequence[str | Mapping[str, Any]] | str = (),

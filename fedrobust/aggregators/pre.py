@@ -166,7 +166,7 @@ class CoordinateWinsorizing(PreAggregator):
     with ``f = 0`` the rows pass unchanged.
 
     Both bounds come from one order-statistic pass. On the input rows (in front of the pipeline, as in
-    the default ``winsorize+nnm+trimmed_mean``) or a subset of them (after the direction filter) nothing
+    ``winsorize+nnm+trimmed_mean``) or a subset of them (after the filters, as in the default) nothing
     is written: later stages read the input through the bounds. After a stage that mixes rows, the
     clamped rows are written once, as an ``[n, d]`` copy.
     """

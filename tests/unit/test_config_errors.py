@@ -63,7 +63,9 @@ WRONG: dict[str, Wrong] = {
     ),
     "aggregator.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) bogus; valid parameters:"),
     "aggregator.pre_params": Wrong(
-        "{arc:{}}", '{"arc": {}}', "which the pipeline ['winsorize', 'nnm', 'trimmed_mean'] does not run"
+        "{arc:{}}",
+        '{"arc": {}}',
+        "which the pipeline ['direction', 'dedup', 'winsorize', 'nnm', 'trimmed_mean'] does not run",
     ),
     "aggregator.root_size": Wrong("0", "0", "must be >= 1"),
     "aggregator.device": Wrong("gpu", "gpu", "invalid device 'gpu'; valid: 'auto', 'cpu', 'cuda' or"),
