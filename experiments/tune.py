@@ -31,12 +31,18 @@ from experiments import study, worst_case
 from fedrobust.config import AggregatorConfig
 
 # Everything built that validation alone cannot reject (as the default was chosen, docs/results.md), plus
-# sign flip at scale 4, which runs as a sweep of its own.
+# attacks at settings of their own, each run as a sweep of its own: sign flip at scale 4, and mimic with its
+# copies spread apart (hidden from the duplicate filter) by half and by one typical honest distance.
 ATTACKS = (
     "label_flip", "backdoor", "sign_flip", "mimic", "min_max", "min_sum", "fang_krum", "fang_trimmed_mean",
     "optimal_alie", "optimal_ipm",
 )
-SIGN_FLIP_X4 = ("sign_flip", "+attack.params.scale=4.0")  # sign_flip.yaml declares no params: "+" adds it
+# (sweep name, attack, override); the attack files declare no such params: "+" adds them.
+VARIANTS = (
+    ("sign_flip_x4", "sign_flip", "+attack.params.scale=4.0"),
+    ("mimic_noise_0.5", "mimic", "+attack.params.noise=0.5"),
+    ("mimic_noise_1", "mimic", "+attack.params.noise=1.0"),
+)
 BASE = "base"
 
 
@@ -52,9 +58,9 @@ def parse_setting(text: str) -> tuple[str, list[str]]:
     return name, overrides.split()
 
 
-def sweep_dirs(out: Path, name: str) -> tuple[Path, Path]:
-    """Where one setting's results go: its main sweep and its sign-flip x4 sweep."""
-    return out / name, out / f"{name}__sign_flip_x4"
+def sweep_dirs(out: Path, name: str) -> tuple[Path, dict[str, Path]]:
+    """Where one setting's results go: its main sweep, and each variant's sweep by variant name."""
+    return out / name, {variant: out / f"{name}__{variant}" for variant, _, _ in VARIANTS}
 
 
 def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -77,10 +83,11 @@ def run_setting(
     """The study runs of one setting that are not in ``out`` yet."""
     extra = [f"dataset.validation_fraction={validation_fraction}", *overrides]
     shared, _ = split_overrides(extra)
-    main, x4 = sweep_dirs(out, name)
+    main, variants = sweep_dirs(out, name)
     study.run_study(rules=["mean"], attacks=["none"], extra=shared, out=main, **study_args)
     study.run_study(rules=[rule], attacks=list(ATTACKS), extra=extra, out=main, **study_args)
-    study.run_study(rules=[rule], attacks=[SIGN_FLIP_X4[0]], extra=[*extra, SIGN_FLIP_X4[1]], out=x4, **study_args)
+    for variant, attack, override in VARIANTS:
+        study.run_study(rules=[rule], attacks=[attack], extra=[*extra, override], out=variants[variant], **study_args)
 
 
 def selection_table(
@@ -95,10 +102,11 @@ def selection_table(
     table: dict[tuple[str, str, str], worst_case.Cell] = {}
     clean: dict[str, tuple[worst_case.Cell, str]] = {}
     for name in names:
-        main, x4 = sweep_dirs(out, name)
-        results = study.load_results(main) + [
-            r | {"attack": "sign_flip (scale=4)"} for r in study.load_results(x4)
-        ]
+        main, variants = sweep_dirs(out, name)
+        results = study.load_results(main)
+        for variant, attack, override in VARIANTS:
+            label = worst_case.label(attack, [override])
+            results += [r | {"attack": label} for r in study.load_results(variants[variant])]
         results = [r for r in results if seeds is None or r["seed"] in seeds]
         for (partition, r, attack), cell in worst_case.cells(results).items():
             if r == worst_case.CLEAN_RULE and attack == worst_case.CLEAN_ATTACK:

@@ -38,7 +38,7 @@ MUST_BREAK_MEAN = (
 )
 
 
-def _label(attack: str, extra: Sequence[str]) -> str:
+def label(attack: str, extra: Sequence[str]) -> str:
     """``sign_flip`` run with ``--set attack.params.scale=4.0`` -> ``sign_flip (scale=4.0)``."""
     settings = [e.removeprefix("+").removeprefix("attack.params.") for e in extra]
     return f"{attack} ({', '.join(settings)})" if settings else attack
@@ -58,7 +58,7 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
         except (OSError, ValueError):
             extra = []
         for r in load_results(directory):
-            r = r | {"attack": _label(r["attack"], extra)}
+            r = r | {"attack": label(r["attack"], extra)}
             key = (r["partition"], r["rule"], r["attack"], r["seed"])
             keep = not rules or r["rule"] in rules or (r["rule"], r["attack"]) == (CLEAN_RULE, CLEAN_ATTACK)
             if keep and key not in seen:

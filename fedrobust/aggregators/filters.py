@@ -189,24 +189,27 @@ class DirectionFilter(RowFilter):
 
 @register_pre
 class DuplicateFilter(RowFilter):
-    """Keep one row of each group of (near) copies: sybils that send the same update.
+    """Count a group of (near) copies once: sybils that send the same update, with or without noise.
 
     Attackers who copy one update (mimic copies an honest client's; ALIE, IPM and min-max send one
     crafted update ``f`` times) give it ``f + 1`` times the weight of a client in every rule after them;
-    on non-IID data one client's data then pulls the model its way. Honest clients with their own data
-    never send the same update. A row is dropped when it lies within ``tol`` times the typical
-    nearest-neighbour distance (the median over rows) of an earlier row that is kept; the first row of
-    each group stays. At most ``f`` rows are dropped and at least ``2f + 1`` kept, like the other filters.
-    An attacker who adds noise larger than that to each copy is not caught here (FoolsGold weighs such
-    near-copies down by their cosine similarity). Needs ``n >= 2f + 1``.
+    on non-IID data one client's data then pulls the model its way. Adding a little noise to each copy
+    hides it from an exact test, so the test is relative: the filter repeatedly drops the row whose
+    nearest remaining neighbour is closest, while that distance is at most ``tol`` times the typical
+    nearest-neighbour distance (the median over the input rows). Of the pair at that distance, the row
+    whose second-nearest neighbour is farther goes: a copy around the row it copies, not the row itself
+    (exact ties: the later row). At most ``f`` rows are dropped and at least ``2f + 1`` kept, like the
+    other filters, so on honest rows it thins the densest places only, where a dropped row has a close
+    neighbour that stays. An attacker who spreads the copies as far apart as honest clients are is not
+    caught; the copies then carry as much noise as signal. Needs ``n >= 2f + 1``.
 
     Parameters
     ----------
     f : int
         Most rows dropped.
     tol : float, default 0.01
-        The largest distance to a kept row, as a fraction of the median nearest-neighbour distance,
-        at which a row counts as its copy. Exact copies only when more than half the rows coincide.
+        The largest nearest-neighbour distance at which a row counts as a copy, as a fraction of the
+        median nearest-neighbour distance of the input rows (at most 1).
     """
 
     name = "dedup"
@@ -218,14 +221,19 @@ class DuplicateFilter(RowFilter):
     def choose(self, rows: Rows, budget: int) -> Tensor:
         if budget <= 0:
             return torch.empty(0, dtype=torch.int64)
-        dist = rows.sq_distances().cpu().clone()
+        dist = rows.sq_distances().cpu().to(torch.float64).clone()
         dist.fill_diagonal_(math.inf)
-        close = dist <= self.tol**2 * dist.min(dim=1).values.median()
+        bound = self.tol**2 * float(dist.min(dim=1).values.median())
+        alive = torch.arange(rows.m)
         dropped: list[int] = []
-        kept: list[int] = []
-        for row in range(rows.m):
-            if len(dropped) < budget and kept and bool(close[row, kept].any()):
-                dropped.append(row)
-            else:
-                kept.append(row)
-        return torch.tensor(dropped, dtype=torch.int64, device=rows.device)
+        while len(dropped) < budget:
+            # budget <= m - (2f + 1) leaves at least 3 rows alive, so every row has a second neighbour.
+            two = dist[alive][:, alive].topk(2, dim=1, largest=False).values
+            closest = two[:, 0].min()
+            if closest > bound:
+                break
+            second = torch.where(two[:, 0] == closest, two[:, 1], -math.inf)
+            pick = int(torch.nonzero(second == second.max()).flatten()[-1])
+            dropped.append(int(alive[pick]))
+            alive = torch.cat([alive[:pick], alive[pick + 1 :]])
+        return torch.tensor(sorted(dropped), dtype=torch.int64, device=rows.device)

@@ -172,10 +172,17 @@ class Mimic(Attack):
     the ``h x h`` Gram matrix: for the top eigenvector ``u`` of ``X_c X_c^T``, ``<v, x_i - mu>`` is
     proportional to ``u_i``.
 
+    With ``noise > 0`` each copy is moved by its own random vector: an attacker who hides the copies from
+    a filter of duplicates (``dedup``), which then has to tell them from honest clients with similar data.
+
     Parameters
     ----------
     target : int or None, default None
         Index of the honest row to copy instead of the principal-direction choice.
+    noise : float, default 0.0
+        Norm of each copy's random displacement (isotropic Gaussian direction, drawn from the generator), as
+        a fraction of the median distance from an honest update to its nearest honest neighbour: 0 sends
+        exact copies; near 1 the copies lie as far from each other as honest clients do.
 
     References
     ----------
@@ -185,10 +192,12 @@ class Mimic(Attack):
     name: ClassVar[str] = "mimic"
     omniscient: ClassVar[bool] = True
     target: int | None = None
+    noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.target is not None:
             check_int(self.name, "target", self.target, low=0)
+        object.__setattr__(self, "noise", check_real(self.name, "noise", self.noise, low=0.0, low_open=False))
 
     def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
         _check_input(self.name, honest, f, min_h=1)
@@ -201,7 +210,15 @@ class Mimic(Attack):
             _, eigvecs = torch.linalg.eigh(_gram64(honest - honest.mean(dim=0)))
             index = int(eigvecs[:, -1].abs().argmax())
         logger.debug("mimic: copying honest row %d of %d", index, h)
-        return _repeat(honest[index], f)
+        copies = _repeat(honest[index], f)
+        if self.noise == 0 or h < 2:
+            return copies
+        gram = _gram64(honest)
+        nearest = _sq_dists(gram).fill_diagonal_(math.inf).min(dim=1).values.sqrt()
+        radius = self.noise * float(nearest.median())
+        step = torch.randn(copies.shape, generator=generator, dtype=torch.float64).to(copies.device)
+        step *= radius / torch.linalg.vector_norm(step, dim=1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+        return (copies.to(torch.float64) + step).to(copies.dtype)
 
 
 def _perturbation(kind: str, mu: Tensor, std: Tensor) -> Tensor:

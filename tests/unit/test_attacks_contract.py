@@ -45,6 +45,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("stale", {"capture_round": 1}),
     ("alie", {"z": 1.5}),
     ("mimic", {"target": 2}),
+    ("mimic", {"noise": 0.5}),
     ("min_max", {"perturbation": "unit_vec"}),
     ("min_sum", {"perturbation": "sign"}),
     ("fang_trimmed_mean", {"b": 4.0}),
@@ -71,7 +72,7 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "lying_weight": [("factor", 0.0)],
     "alie": [("z", math.inf), ("z", "big")],
     "ipm": [("epsilon", -0.1)],
-    "mimic": [("target", -1), ("target", 2.0)],
+    "mimic": [("target", -1), ("target", 2.0), ("noise", -0.1), ("noise", math.inf)],
     "min_max": [("perturbation", "gaussian")],
     "min_sum": [("perturbation", None)],
     "fang_krum": [("threshold", 0.0), ("threshold", math.inf)],
@@ -266,7 +267,10 @@ def test_craft_shape_dtype_and_collusion(name: str, params: dict[str, object], d
     out = attacks.build(name, **params).craft(honest, f=F, generator=gen())
     assert (out.shape, out.dtype, out.device) == ((F, honest.shape[1]), dtype, honest.device)
     assert torch.isfinite(out).all()
-    assert (out == out[0]).all()  # colluding: identical rows
+    if params.get("noise"):
+        assert (out[1:] != out[0]).any(dim=1).all()  # copies spread apart on purpose
+    else:
+        assert (out == out[0]).all()  # colluding: identical rows
     assert attacks.build(name).craft(honest, f=0, generator=gen()).shape == (0, honest.shape[1])
 
 
@@ -507,6 +511,17 @@ def test_mimic_copies_the_principal_direction_extreme() -> None:
     assert torch.equal(attacks.build("mimic", target=3).craft(honest, f=F, generator=gen())[0], honest[3])
     with pytest.raises(ValueError, match=r"mimic.*target=16.*h=16"):
         attacks.build("mimic", target=16).craft(honest, f=F, generator=gen())
+
+
+def test_mimic_noise_moves_each_copy_by_its_fraction_of_the_typical_honest_distance() -> None:
+    honest = honest_rows(seed=4)
+    exact = attacks.build("mimic", target=3).craft(honest, f=F, generator=gen())
+    noisy = attacks.build("mimic", target=3, noise=0.5).craft(honest, f=F, generator=gen())
+    typical = torch.cdist(honest.double(), honest.double()).fill_diagonal_(math.inf).min(dim=1).values.median()
+    moved = torch.linalg.vector_norm((noisy - exact).double(), dim=1)
+    torch.testing.assert_close(moved, torch.full((F,), 0.5 * float(typical), dtype=torch.float64), rtol=1e-4, atol=0)
+    assert torch.cdist(noisy.double(), noisy.double()).fill_diagonal_(math.inf).min() > 0.5 * typical  # apart
+    assert torch.equal(noisy, attacks.build("mimic", target=3, noise=0.5).craft(honest, f=F, generator=gen()))
 
 
 def sq_dists(a: Tensor, b: Tensor) -> Tensor:

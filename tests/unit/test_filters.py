@@ -176,15 +176,39 @@ def test_dedup_catches_near_copies_within_its_tolerance_only() -> None:
     assert agg.last_filtered == ()
 
 
+def test_dedup_drops_noisy_copies_around_the_row_they_copy_and_keeps_that_row() -> None:
+    noisy, honest = with_copies(F, noise=0.3)  # each copy 0.3 typical distances from row 3, 0.42 from the others
+    agg = aggregators.build("mean", f=F, pre=[{"name": "dedup", "tol": 0.5}])
+    torch.testing.assert_close(agg(noisy), honest.mean(0))
+    assert agg.last_filtered == tuple(range(N - F, N))
+    assert agg(honest_rows(5)) is not None and agg.last_filtered == ()  # no honest row that close here
+    loose, _ = with_copies(F, noise=0.8)  # beyond the tolerance: rows of their own
+    agg(loose)
+    assert not set(agg.last_filtered) & set(range(N - F, N))
+
+
+def test_dedup_drops_the_same_rows_in_any_order() -> None:
+    """Without exact ties the rows dropped do not depend on the order the replies came in."""
+    x = honest_rows(11)
+    agg = aggregators.build("mean", f=F, pre=[{"name": "dedup", "tol": 1.0}])
+    out = agg(x)
+    dropped = set(agg.last_filtered)
+    assert len(dropped) == F  # at tol 1 about half the rows are close enough: the budget binds
+    for seed in range(3):
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(agg(x[order]), out)
+        assert {int(order[i]) for i in agg.last_filtered} == dropped
+
+
 def test_dedup_drops_at_most_f_and_keeps_2f_plus_1() -> None:
     x, _ = with_copies(F + 2)
     agg = aggregators.build("dedup+mean", f=F)
     agg(x)
-    assert agg.last_filtered == tuple(range(N - F - 2, N - 2))  # the first f copies after the original
+    assert agg.last_filtered == tuple(range(N - F, N))  # of seven equal rows, the last f go
     few, _ = with_copies(3)
     tight = torch.cat([few[:7], few[-3:]])  # 7 honest rows and 3 copies of row 3: room for one drop above 2f + 1
     agg(tight)
-    assert agg.last_filtered == (7,)
+    assert agg.last_filtered == (9,)  # the last of the four equal rows
 
 
 def test_a_filter_before_the_memory_passes_on_the_clients_of_the_rows_it_kept() -> None:

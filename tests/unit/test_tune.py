@@ -14,16 +14,19 @@ from tests.support.study_results import study_run, write_sweep
 RULE = "winsorize+nnm+trimmed_mean"
 
 
-def _setting(out: Path, name: str, clean: float, attacked: dict[str, float], sign_flip_x4: float) -> None:
-    """One setting's sweeps: clean FedAvg and the rule under attack (two seeds, +-0.002 around each value)."""
-    main, x4 = tune.sweep_dirs(out, name)
+def _setting(out: Path, name: str, clean: float, attacked: dict[str, float], variants: float) -> None:
+    """One setting's sweeps: clean FedAvg and the rule under attack (two seeds, +-0.002 around each value),
+    and each variant sweep (sign flip x4, spread mimic) at ``variants``."""
+    main, variant_dirs = tune.sweep_dirs(out, name)
     runs = []
     for p in ("iid", "dirichlet"):
         for seed, wobble in enumerate((-0.002, 0.002)):
             runs.append(study_run(p, "mean", "none", seed, clean + wobble))
             runs += [study_run(p, RULE, a, seed, acc + wobble) for a, acc in attacked.items()]
     write_sweep(main, runs)
-    write_sweep(x4, [study_run(p, RULE, "sign_flip", s, sign_flip_x4) for p in ("iid", "dirichlet") for s in (0, 1)])
+    for variant, attack, _ in tune.VARIANTS:
+        runs = [study_run(p, RULE, attack, s, variants) for p in ("iid", "dirichlet") for s in (0, 1)]
+        write_sweep(variant_dirs[variant], runs)
 
 
 def test_settings_are_scored_against_the_best_clean_fedavg_and_the_base_loses_only_beyond_noise(
@@ -85,3 +88,11 @@ def test_the_rules_own_overrides_do_not_reach_clean_fedavg() -> None:
     )
     assert shared == ["dataset.validation_fraction=0.2", "client.lr=0.1", "aggregator_extra=1"]
     assert rule_only == ["+aggregator.pre_params.direction.z=1.5", "aggregator.params.tau=2", "++aggregator=krum"]
+
+
+def test_each_variant_sweep_counts_as_an_attack_of_its_own(tmp_path: Path) -> None:
+    _setting(tmp_path, "base", 0.96, {"optimal_ipm": 0.95}, 0.955)
+    _, variant_dirs = tune.sweep_dirs(tmp_path, "base")
+    for path in variant_dirs["mimic_noise_1"].glob("*__mimic__*.json"):  # the spread copies: the worst attack
+        path.write_text(path.read_text().replace('"accuracy": 0.955', '"accuracy": 0.9'))
+    assert "| base | `-` | 6.0 (mimic (noise=1.0))" in tune.report(tmp_path, {"base": []}, RULE)
