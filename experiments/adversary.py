@@ -11,6 +11,8 @@ bound), as it checked what the clients sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fedrobust import attacks
@@ -18,9 +20,12 @@ from fedrobust.config import RunConfig
 from fedrobust.strategies.robust_strategy import UpdateHook
 from fedrobust.training import derive_seed
 
+# Sees each round's honest rows and the crafted ones: (server round, honest [h, d], crafted [f, d]).
+CraftObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
-def omniscient_hook(cfg: RunConfig) -> UpdateHook | None:
-    """The hook for ``cfg.attack`` when it is omniscient, else None."""
+
+def omniscient_hook(cfg: RunConfig, observe: CraftObserver | None = None) -> UpdateHook | None:
+    """The hook for ``cfg.attack`` when it is omniscient, else None; ``observe`` sees every round's craft."""
     if cfg.attack.name not in attacks.omniscient_names() or cfg.num_byzantine == 0:
         return None
     attack = attacks.build(cfg.attack.name, **cfg.attack.params)
@@ -32,7 +37,10 @@ def omniscient_hook(cfg: RunConfig) -> UpdateHook | None:
             return []
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, server_round, -1))
         # Boolean indexing copies the honest rows: the attack must not see its own rows change.
-        crafted = attack.craft(rows[~byzantine], f=len(targets), generator=generator)
+        honest = rows[~byzantine]
+        crafted = attack.craft(honest, f=len(targets), generator=generator)
+        if observe is not None:
+            observe(server_round, honest, crafted)
         rows[targets] = crafted.to(rows.dtype)
         return targets
 

@@ -57,7 +57,7 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from experiments.adversary import omniscient_hook
+from experiments.adversary import CraftObserver, omniscient_hook
 from experiments.client_state import with_client_state
 from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import RunConfig
@@ -268,6 +268,7 @@ def run_inprocess(
     client_app: ClientApp | None = None,
     on_strategy: Callable[[RobustStrategy], None] | None = None,
     nodes: Mapping[int, Mapping[str, Any]] | None = None,
+    on_craft: CraftObserver | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` in-process nodes; return the metrics rows.
 
@@ -279,6 +280,7 @@ def run_inprocess(
     config go to ``out_dir`` (a temporary directory when None). ``on_strategy`` sees the strategy
     before it starts (e.g. to request a stop). ``nodes`` (node id -> node config) replaces the
     seed's node ids and partitions, e.g. with a deployment's SuperNodes and their device data.
+    ``on_craft`` sees each round's honest rows and what an omniscient attack crafted from them.
 
     PyTorch is limited to one thread in this process (the models are tiny; a sweep runs one
     process per core instead).
@@ -300,5 +302,6 @@ def run_inprocess(
         app = with_client_state(client_app if client_app is not None else make_client_app(cfg))
         grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat(), nodes=nodes)
         with _server_identity(grid.run.run_id):
-            run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy, progress=echo)
+            run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg, on_craft), on_strategy=on_strategy,
+                           progress=echo)
         return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
