@@ -54,6 +54,10 @@ class SignFlip(Attack):
     ----------
     scale : float, default 1.0
         Positive factor applied after the flip.
+    start_round : int, default 0
+        The first round that flips (server rounds count from 1, so 0 and 1 flip from the start);
+        before it the client sends its honest update: a sleeper that first builds a record of pulling
+        with the others (against defenses that remember clients).
 
     References
     ----------
@@ -63,13 +67,17 @@ class SignFlip(Attack):
 
     name: ClassVar[str] = "sign_flip"
     scale: float = 1.0
+    start_round: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scale", check_real(self.name, "scale", self.scale, low=0.0))
+        check_int(self.name, "start_round", self.start_round, low=0)
 
     def poison_update(
         self, update: dict[str, Tensor], *, round: int, generator: torch.Generator
     ) -> dict[str, Tensor]:
+        if round < self.start_round:
+            return update
         return map_floating(update, lambda t: t * -self.scale)
 
 

@@ -46,6 +46,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("alie", {"z": 1.5}),
     ("mimic", {"target": 2}),
     ("mimic", {"noise": 0.5}),
+    ("sign_flip", {"start_round": 2}),
     ("min_max", {"perturbation": "unit_vec"}),
     ("min_sum", {"perturbation": "sign"}),
     ("fang_trimmed_mean", {"b": 4.0}),
@@ -58,7 +59,7 @@ CLIENT_CONFIGS = [(name, params) for name, params in CONFIGS if name in CLIENT]
 
 # One invalid value per parameter of every attack (a test checks that none is missing).
 INVALID: dict[str, list[tuple[str, object]]] = {
-    "sign_flip": [("scale", 0.0), ("scale", -1.0), ("scale", True)],
+    "sign_flip": [("scale", 0.0), ("scale", -1.0), ("scale", True), ("start_round", -1), ("start_round", 2.0)],
     "scaled": [("factor", math.nan), ("factor", -2.0)],
     "gaussian": [("std", -1.0), ("std", math.inf), ("std", "1")],
     "random": [("scale", 0)],
@@ -436,6 +437,14 @@ def test_noise_depends_on_seed_not_dtype(name: str) -> None:
     half = attack.poison_update({"w": torch.zeros(64, dtype=torch.float16)}, round=0, generator=gen(9))["w"]
     assert half.dtype == torch.float16
     assert torch.equal(half, full.half())
+
+
+def test_a_sleeper_sign_flip_is_honest_before_its_start_round() -> None:
+    update = make_update(gen())
+    sleeper = attacks.build("sign_flip", start_round=3)
+    assert sleeper.poison_update(update, round=2, generator=gen()) is update
+    flipped = sleeper.poison_update(update, round=3, generator=gen())
+    assert all(torch.equal(flipped[key], -update[key]) for key in FLOAT_KEYS)
 
 
 def test_scaling_attacks_are_exact() -> None:
