@@ -57,7 +57,7 @@ def train(net: nn.Module, loader: DataLoader, epochs: int, lr: float) -> float:
             loss = criterion(net(x), y)
             loss.backward()
             optimizer.step()
-            total, batches = total + float(loss), batches + 1
+            total, batches = total + loss.item(), batches + 1
     return total / max(batches, 1)
 
 
