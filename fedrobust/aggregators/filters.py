@@ -88,9 +88,12 @@ class DirectionFilter(RowFilter):
     an update (sign flip), pushes against the mean (IPM, Fang's attacks) or only adds noise scores
     at or below zero.
 
-    **This round.** A row is dropped when its score is at most zero **and** lies more than ``z``
-    scaled median absolute deviations below the median score: late in training honest rows also
-    score near zero, and a plain sign test would drop them.
+    **This round.** A row is dropped when its score is at most ``-margin`` times the median score
+    **and** lies more than ``z`` scaled median absolute deviations below the median score: late in
+    training honest rows also score near zero, and a plain sign test would drop them. A reversed
+    honest row scores about minus the median; an honest client whose data the others lack can score
+    a little below zero, most of all when copies of another client pull the mean away from it (mimic),
+    and ``margin`` keeps it.
 
     **Memory** (when the pipeline is given the clients of the rows, as
     :class:`~fedrobust.strategies.RobustStrategy` does). Late in training a reversed update scores near
@@ -116,6 +119,9 @@ class DirectionFilter(RowFilter):
         How many scaled median absolute deviations (``1.4826 * MAD``, the standard deviation for
         normal scores) below the median score a row must lie to be dropped; the same bound on a
         client's combined z-score.
+    margin : float, default 0.0
+        How far below zero, in median scores, a row's score must lie to be dropped in its round (the
+        memory's test is unchanged).
     memory : bool, default True
         Keep each client's evidence over the rounds (and in the checkpoint). Without the rows' clients
         (``Aggregator(updates)`` with no ``clients``) each call stands alone either way.
@@ -125,9 +131,10 @@ class DirectionFilter(RowFilter):
     needs_norms = True
     uses_clients = True
 
-    def __init__(self, f: int = 0, *, z: float = 3.0, memory: bool = True) -> None:
+    def __init__(self, f: int = 0, *, z: float = 3.0, margin: float = 0.0, memory: bool = True) -> None:
         super().__init__(f)
         self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
+        self.margin = check_float(self.name, "margin", margin, minimum=0.0, inclusive=True)
         if not isinstance(memory, bool):
             raise ValueError(f"{self.name}: parameter memory must be true or false, got {memory!r}")
         self.memory = memory
@@ -148,16 +155,17 @@ class DirectionFilter(RowFilter):
         return kept.mean(dim=1) / norms.sqrt().clamp(min=torch.finfo(torch.float64).tiny)
 
     def choose(self, rows: Rows, budget: int) -> Tensor:
-        if budget <= 0:
+        if self.f == 0:
             return torch.empty(0, dtype=torch.int64)
+        # Scored even when filters before it spent the budget: the memory needs every round.
         scores = self.scores(rows).cpu()
         ranked = torch.sort(scores, stable=True)
         center = ranked.values[(rows.m - 1) // 2]
         spread = 1.4826 * (ranked.values - center).abs().median()
-        outlying = (ranked.values <= 0) & (ranked.values < center - self.z * spread)
+        outlying = (ranked.values <= -self.margin * center.clamp(min=0)) & (ranked.values < center - self.z * spread)
         this_round = ranked.indices[outlying]
         if not (self.memory and self.clients is not None):
-            return this_round[:budget].to(rows.device)
+            return this_round[: max(budget, 0)].to(rows.device)
         if len(self.clients) != rows.m:
             raise ValueError(f"{self.name}: {len(self.clients)} clients given for {rows.m} rows")
         # A round whose scores do not spread (or whose median row pulls nowhere) adds no evidence. The
@@ -171,7 +179,7 @@ class DirectionFilter(RowFilter):
         by_evidence = torch.sort(combined, stable=True).indices
         suspects = by_evidence[suspect[by_evidence]]
         rest = this_round[~torch.isin(this_round, suspects)]
-        return torch.cat([suspects, rest])[:budget].to(rows.device)
+        return torch.cat([suspects, rest])[: max(budget, 0)].to(rows.device)
 
     def state_dict(self) -> dict[str, Tensor]:
         if not self.memory:

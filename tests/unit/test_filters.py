@@ -219,3 +219,27 @@ def test_a_filter_before_the_memory_passes_on_the_clients_of_the_rows_it_kept() 
     buckets = aggregators.build("mean", f=2, pre=[{"name": "bucketing", "s": 2}, "direction"])
     buckets(x, clients=CLIENTS)
     assert buckets.pre[1].clients is None  # a bucket is no one client
+
+
+
+def test_the_direction_memory_scores_a_round_in_which_it_may_drop_no_row() -> None:
+    """With 2f + 1 rows left (few replies, or a filter before it dropped f) the filter drops nothing,
+    but the round still counts for each client's record."""
+    x = fading_attack(1)[0][: 2 * F + 1]
+    agg = direction()
+    agg(x, clients=CLIENTS[: 2 * F + 1])
+    assert agg.last_filtered == ()
+    assert agg.pre[0].evidence.rounds == dict.fromkeys(CLIENTS[: 2 * F + 1], 1)
+
+def test_margin_keeps_a_row_a_little_below_zero_and_still_drops_a_reversed_one() -> None:
+    x = honest_rows(0)
+    x[-1] = -x[0]  # reversed: scores about minus the median
+    x[-2] = -0.1 + 0.5 * torch.randn(D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    plain = aggregators.build("mean", f=F, pre=["direction"])
+    plain(x)
+    assert plain.last_filtered == (N - 2, N - 1)  # at or below zero and an outlier: both go
+    with_margin = aggregators.build("mean", f=F, pre=[{"name": "direction", "margin": 0.5}])
+    with_margin(x)
+    assert with_margin.last_filtered == (N - 1,)
+    with pytest.raises(ValueError, match="margin"):
+        aggregators.build("mean", f=F, pre=[{"name": "direction", "margin": -1.0}])
