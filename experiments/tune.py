@@ -31,8 +31,9 @@ from experiments import study, worst_case
 from fedrobust.config import AggregatorConfig
 
 # Everything built that validation alone cannot reject (as the default was chosen, docs/results.md), plus
-# attacks at settings of their own, each run as a sweep of its own: sign flip at scale 4, and mimic with its
-# copies spread apart (hidden from the duplicate filter) by half and by one typical honest distance.
+# attacks at settings of their own, each run as a sweep of its own: sign flip at scale 4, mimic with its
+# copies spread apart (hidden from the duplicate filter) by half and by one typical honest distance, and a
+# sleeper that flips signs only from round 10 on (after the direction filter's memory trusts it).
 ATTACKS = (
     "label_flip", "backdoor", "sign_flip", "mimic", "min_max", "min_sum", "fang_krum", "fang_trimmed_mean",
     "optimal_alie", "optimal_ipm",
@@ -42,6 +43,7 @@ VARIANTS = (
     ("sign_flip_x4", "sign_flip", "+attack.params.scale=4.0"),
     ("mimic_noise_0.5", "mimic", "+attack.params.noise=0.5"),
     ("mimic_noise_1", "mimic", "+attack.params.noise=1.0"),
+    ("sign_flip_start_10", "sign_flip", "+attack.params.start_round=10"),
 )
 BASE = "base"
 
