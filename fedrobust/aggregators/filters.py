@@ -155,27 +155,28 @@ class DirectionFilter(RowFilter):
         return kept.mean(dim=1) / norms.sqrt().clamp(min=torch.finfo(torch.float64).tiny)
 
     def choose(self, rows: Rows, budget: int) -> Tensor:
-        if self.f == 0:
+        clients = self.clients if self.memory else None
+        # With 2f + 1 rows left it may drop none, but the memory still needs the round's scores.
+        if self.f == 0 or (budget <= 0 and clients is None):
             return torch.empty(0, dtype=torch.int64)
-        # Scored even when filters before it spent the budget: the memory needs every round.
         scores = self.scores(rows).cpu()
         ranked = torch.sort(scores, stable=True)
         center = ranked.values[(rows.m - 1) // 2]
         spread = 1.4826 * (ranked.values - center).abs().median()
         outlying = (ranked.values <= -self.margin * center.clamp(min=0)) & (ranked.values < center - self.z * spread)
         this_round = ranked.indices[outlying]
-        if not (self.memory and self.clients is not None):
-            return this_round[: max(budget, 0)].to(rows.device)
-        if len(self.clients) != rows.m:
-            raise ValueError(f"{self.name}: {len(self.clients)} clients given for {rows.m} rows")
+        if clients is None:
+            return this_round[:budget].to(rows.device)
+        if len(clients) != rows.m:
+            raise ValueError(f"{self.name}: {len(clients)} clients given for {rows.m} rows")
         # A round whose scores do not spread (or whose median row pulls nowhere) adds no evidence. The
         # relative score is capped at one median score either way: late in training the median is near
         # zero, and an uncapped ratio would let one round outweigh all the others.
         z = (scores - center) / spread if spread > 0 else torch.zeros_like(scores)
         relative = (scores / center).clamp(-1.0, 1.0) if center > 0 else torch.zeros_like(scores)
-        self.evidence.add(self.clients, z, relative)
-        combined = self.evidence.combined(self.clients)
-        suspect = (combined < -self.z) & (self.evidence.relative(self.clients) <= 0)
+        self.evidence.add(clients, z, relative)
+        combined = self.evidence.combined(clients)
+        suspect = (combined < -self.z) & (self.evidence.relative(clients) <= 0)
         by_evidence = torch.sort(combined, stable=True).indices
         suspects = by_evidence[suspect[by_evidence]]
         rest = this_round[~torch.isin(this_round, suspects)]
