@@ -26,28 +26,38 @@ class ClientEvidence:
 
     For each round a client's row was scored, :meth:`add` takes its score's z-score within the round
     (its distance from the round's median score in scaled MADs) and its score relative to the median
-    score. :meth:`suspects` combines the z-scores by Stouffer's method (their sum over the square root
+    score. :meth:`combined` combines the z-scores by Stouffer's method (their sum over the square root
     of the number of rounds), which stays near ``N(0, 1)`` for a client that is as often above the median
     as below it, and moves away by the square root of the rounds for one that is always on one side.
+    With ``decay < 1`` the evidence fades: each time a client is scored, its earlier sums are multiplied
+    by ``decay`` first (a weighted Stouffer sum, over the square root of the summed squared weights), so
+    a client that turns after a clean record (a sleeper) is judged by its last few replies.
     Keys are the clients' integer ids (partition or node ids); they are kept as signed 64-bit integers in
     the state, so node ids up to ``2**64`` round-trip.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        self.decay = decay
         self.z_sum: dict[int, float] = {}
         self.relative_sum: dict[int, float] = {}
         self.rounds: dict[int, int] = {}
 
     def add(self, clients: Sequence[int], z: Tensor, relative: Tensor) -> None:
         for client, zi, ri in zip(clients, z.tolist(), relative.tolist(), strict=True):
-            self.z_sum[client] = self.z_sum.get(client, 0.0) + zi
-            self.relative_sum[client] = self.relative_sum.get(client, 0.0) + ri
+            self.z_sum[client] = self.decay * self.z_sum.get(client, 0.0) + zi
+            self.relative_sum[client] = self.decay * self.relative_sum.get(client, 0.0) + ri
             self.rounds[client] = self.rounds.get(client, 0) + 1
+
+    def _weight(self, rounds: int) -> float:
+        """The square root of the summed squared weights of ``rounds`` scores: ``sqrt(rounds)`` without decay."""
+        if self.decay == 1.0:
+            return math.sqrt(rounds)
+        return math.sqrt((1.0 - self.decay ** (2 * rounds)) / (1.0 - self.decay**2))
 
     def combined(self, clients: Sequence[int]) -> Tensor:
         """``[m]`` float64: each client's combined z-score (0 for a client not seen yet)."""
         return torch.tensor(
-            [self.z_sum.get(c, 0.0) / math.sqrt(self.rounds.get(c, 1)) for c in clients], dtype=torch.float64
+            [self.z_sum.get(c, 0.0) / self._weight(self.rounds.get(c, 1)) for c in clients], dtype=torch.float64
         )
 
     def relative(self, clients: Sequence[int]) -> Tensor:
@@ -125,20 +135,26 @@ class DirectionFilter(RowFilter):
     memory : bool, default True
         Keep each client's evidence over the rounds (and in the checkpoint). Without the rows' clients
         (``Aggregator(updates)`` with no ``clients``) each call stands alone either way.
+    decay : float, default 1.0
+        In ``(0, 1]``: how much of a client's earlier evidence is kept each time it is scored again
+        (1: all of it, every round counts alike).
     """
 
     name = "direction"
     needs_norms = True
     uses_clients = True
 
-    def __init__(self, f: int = 0, *, z: float = 3.0, margin: float = 0.0, memory: bool = True) -> None:
+    def __init__(
+        self, f: int = 0, *, z: float = 3.0, margin: float = 0.0, memory: bool = True, decay: float = 1.0
+    ) -> None:
         super().__init__(f)
         self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
         self.margin = check_float(self.name, "margin", margin, minimum=0.0, inclusive=True)
+        decay = check_float(self.name, "decay", decay, minimum=0.0, inclusive=False, maximum=1.0)
         if not isinstance(memory, bool):
             raise ValueError(f"{self.name}: parameter memory must be true or false, got {memory!r}")
         self.memory = memory
-        self.evidence = ClientEvidence()
+        self.evidence = ClientEvidence(decay)
         self.clients: list[int] | None = None
 
     def set_clients(self, clients: Sequence[int] | None) -> None:

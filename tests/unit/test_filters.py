@@ -243,3 +243,28 @@ def test_margin_keeps_a_row_a_little_below_zero_and_still_drops_a_reversed_one()
     assert with_margin.last_filtered == (N - 1,)
     with pytest.raises(ValueError, match="margin"):
         aggregators.build("mean", f=F, pre=[{"name": "direction", "margin": -1.0}])
+
+
+def test_fading_memory_names_a_sleeper_whose_clean_record_would_outweigh_its_flips() -> None:
+    """Nine honest rounds, then the last client reverses its updates in late training, where the round's
+    test catches it only now and then. Without decay its clean record keeps its relative sum above
+    zero and the memory never names it; with decay 0.5 the record fades and it is dropped every round
+    from the third flip on."""
+
+    def run(decay: float) -> tuple[list[tuple[int, ...]], float]:
+        agg = aggregators.build("mean", f=F, pre=[{"name": "direction", "decay": decay}])
+        dropped = []
+        for r in range(14):
+            x = honest_rows(50 + r, pull=1.0 if r < 9 else 0.3)
+            if r >= 9:
+                x[-1] = -x[-1]
+            agg(x, clients=CLIENTS)
+            dropped.append(agg.last_filtered)
+        return dropped[9:], agg.pre[0].evidence.relative(CLIENTS[-1:]).item()
+
+    kept_record, relative = run(1.0)
+    assert relative > 0 and () in kept_record[2:]
+    fading, relative = run(0.5)
+    assert relative < 0 and fading[2:] == [(N - 1,)] * 3
+    with pytest.raises(ValueError, match="decay"):
+        aggregators.build("mean", f=F, pre=[{"name": "direction", "decay": 0.0}])
