@@ -24,6 +24,7 @@ from experiments.study import OK, PARTITIONS, load_results
 from fedrobust.config import AggregatorConfig
 
 CLEAN_RULE, CLEAN_ATTACK = "mean", "none"
+VALIDATION_KEY = "dataset.validation_fraction"
 BACKDOOR = "backdoor"
 # The goals of a default (accuracy points below clean FedAvg, worst attack) and of its backdoor success rate.
 GOAL_GAP = {"iid": 0.01, "dirichlet": 0.02}
@@ -49,14 +50,21 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
 
     A run found in more than one sweep (same partition, rule, labelled attack and seed) counts once, from
     the first sweep that has it, so sweeps that overlap can be combined. With ``rules``, only those rules
-    and clean FedAvg are kept.
+    and clean FedAvg are kept. Sweeps evaluated on the validation hold-out (``experiments/tune.py``'s,
+    ``dataset.validation_fraction`` > 0) compare among themselves, clean FedAvg on the same hold-out
+    being their reference; mixing them with sweeps evaluated on the test set is refused.
     """
     results, seen = [], set()
+    held_out: dict[bool, list[str]] = {True: [], False: []}
     for directory in dirs:
         try:
             extra = json.loads((directory / "study.json").read_text()).get("settings", {}).get("extra", [])
         except (OSError, ValueError):
             extra = []
+        # The hold-out is where every run of a sweep is evaluated, clean FedAvg's too, not an attack setting.
+        evaluation = [e for e in extra if e.removeprefix("+").startswith(VALIDATION_KEY + "=")]
+        extra = [e for e in extra if e not in evaluation]
+        held_out[any(float(e.partition("=")[2]) > 0 for e in evaluation)].append(str(directory))
         for r in load_results(directory):
             r = r | {"attack": label(r["attack"], extra)}
             key = (r["partition"], r["rule"], r["attack"], r["seed"])
@@ -64,6 +72,11 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
             if keep and key not in seen:
                 seen.add(key)
                 results.append(r)
+    if held_out[True] and held_out[False]:
+        raise ValueError(
+            f"the sweeps are evaluated on different data: on the validation hold-out ({', '.join(held_out[True])}) "
+            f"and on the test set ({', '.join(held_out[False])}); compare sweeps of one kind"
+        )
     return results
 
 

@@ -131,3 +131,19 @@ def test_a_run_in_two_overlapping_sweeps_counts_once(tmp_path: Path, capsys: pyt
     worst_case.main([str(early), str(later), "--rules", "r", "--incumbent", "r"])
     printed = capsys.readouterr().out
     assert "| **r** (chosen) | 4.7 (mimic) |" in printed and "other" not in printed
+
+
+def test_sweeps_on_the_validation_hold_out_compare_among_themselves(tmp_path: Path) -> None:
+    """tune's sweeps carry dataset.validation_fraction: clean FedAvg on the hold-out is their reference,
+    and the setting is no part of an attack's label; a test-set sweep beside them is refused."""
+    held_out = ["dataset.validation_fraction=0.2"]
+    main = _write(tmp_path / "base", [_run("iid", r, a, 0, acc) for r, a, acc in (
+        ("mean", "none", 0.96), ("r", "none", 0.955), ("r", "mimic", 0.95))], extra=held_out)
+    spread = _write(tmp_path / "base__spread", [_run("iid", "r", "mimic", 0, 0.93)],
+                    extra=[*held_out, "+attack.params.noise=0.5"])
+    table = worst_case.cells(worst_case.labelled_results([main, spread]))
+    case = {c.rule: c for c in worst_case.worst_cases(table)}["r"]
+    assert case.gap["iid"] == (pytest.approx(0.03), "mimic (noise=0.5)")
+    on_test = _write(tmp_path / "test", [_run("iid", "r", "mimic", 0, 0.9)])
+    with pytest.raises(ValueError, match="validation hold-out .*base.* and on the test set .*test"):
+        worst_case.labelled_results([main, on_test])
