@@ -45,14 +45,23 @@ def label(attack: str, extra: Sequence[str]) -> str:
     return f"{attack} ({', '.join(settings)})" if settings else attack
 
 
-def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The results of every sweep in ``dirs``, each attack labelled with its sweep's extra settings.
+def rule_label(rule: str, extra: Sequence[str]) -> str:
+    """A rule run with settings of its own (``--set +aggregator.pre_params.direction.margin=0.5``, a server
+    optimizer) is a configuration of its own: ``RULE @ pre_params.direction.margin=0.5``, as tune writes it."""
+    settings = [e.removeprefix("+").removeprefix("aggregator.") for e in extra]
+    return f"{rule} @ {', '.join(settings)}" if settings else rule
 
-    A run found in more than one sweep (same partition, rule, labelled attack and seed) counts once, from
-    the first sweep that has it, so sweeps that overlap can be combined. With ``rules``, only those rules
-    and clean FedAvg are kept. Sweeps evaluated on the validation hold-out (``experiments/tune.py``'s,
-    ``dataset.validation_fraction`` > 0) compare among themselves, clean FedAvg on the same hold-out
-    being their reference; mixing them with sweeps evaluated on the test set is refused.
+
+def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The results of every sweep in ``dirs``, each labelled with its sweep's extra settings: those of the
+    attack (``attack.params.*``) label the attack, every other one labels the rule (:func:`rule_label`).
+
+    A run found in more than one sweep (same partition, labelled rule, labelled attack and seed) counts
+    once, from the first sweep that has it, so sweeps that overlap can be combined. With ``rules``, only
+    those rules (with any settings) and clean FedAvg are kept. Sweeps evaluated on the validation
+    hold-out (``experiments/tune.py``'s, ``dataset.validation_fraction`` > 0) compare among themselves,
+    clean FedAvg on the same hold-out being their reference; mixing them with sweeps evaluated on the
+    test set is refused.
     """
     results, seen = [], set()
     held_out: dict[bool, list[str]] = {True: [], False: []}
@@ -65,10 +74,13 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
         evaluation = [e for e in extra if e.removeprefix("+").startswith(VALIDATION_KEY + "=")]
         extra = [e for e in extra if e not in evaluation]
         held_out[any(float(e.partition("=")[2]) > 0 for e in evaluation)].append(str(directory))
+        of_attack = [e for e in extra if e.removeprefix("+").startswith("attack.params.")]
+        of_rule = [e for e in extra if e not in of_attack]
         for r in load_results(directory):
-            r = r | {"attack": label(r["attack"], extra)}
+            keep = not rules or r["rule"] in rules
+            r = r | {"rule": rule_label(r["rule"], of_rule), "attack": label(r["attack"], of_attack)}
             key = (r["partition"], r["rule"], r["attack"], r["seed"])
-            keep = not rules or r["rule"] in rules or (r["rule"], r["attack"]) == (CLEAN_RULE, CLEAN_ATTACK)
+            keep = keep or (r["rule"], r["attack"]) == (CLEAN_RULE, CLEAN_ATTACK)
             if keep and key not in seen:
                 seen.add(key)
                 results.append(r)

@@ -147,3 +147,20 @@ def test_sweeps_on_the_validation_hold_out_compare_among_themselves(tmp_path: Pa
     on_test = _write(tmp_path / "test", [_run("iid", "r", "mimic", 0, 0.9)])
     with pytest.raises(ValueError, match="validation hold-out .*base.* and on the test set .*test"):
         worst_case.labelled_results([main, on_test])
+
+
+def test_a_sweep_with_settings_of_the_rule_is_a_configuration_of_its_own(tmp_path: Path) -> None:
+    """A probe of a rule's parameter (or of the server optimizer) ranks beside the rule as it ships; the
+    attack keeps its own label, and a clean run with other settings is no clean FedAvg."""
+    base = _write(tmp_path / "base", [_run("iid", r, a, 0, acc) for r, a, acc in (
+        ("mean", "none", 0.96), ("r", "none", 0.955), ("r", "mimic", 0.90))])
+    probe = _write(tmp_path / "probe", [_run("iid", r, a, 0, acc) for r, a, acc in (
+        ("mean", "none", 0.99), ("r", "none", 0.955), ("r", "mimic", 0.94))],
+        extra=["+aggregator.pre_params.direction.margin=0.5", "+attack.params.noise=0.0"])
+    results = worst_case.labelled_results([base, probe], rules=["r"])
+    assert {(r["rule"], r["attack"]) for r in results} == {
+        ("mean", "none"), ("r", "none"), ("r", "mimic"),
+        ("r @ pre_params.direction.margin=0.5", "none (noise=0.0)"),
+        ("r @ pre_params.direction.margin=0.5", "mimic (noise=0.0)")}
+    cases = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(results))}
+    assert cases["r @ pre_params.direction.margin=0.5"].gap["iid"] == (pytest.approx(0.02), "mimic (noise=0.0)")
