@@ -7,7 +7,9 @@ A user who does not know the attack in advance gets one configuration; it is wor
 accuracy loss over the attacks, not its loss under the attack it happens to suit. This module scores
 each rule of one or more study sweeps (``experiments/study.py --out DIR``) by that worst case and
 writes the section that leads ``docs/results.md``. A sweep run with ``--set`` (e.g. a stronger
-``attack.params.scale``) contributes its attacks under their own label, ``sign_flip (scale=4.0)``.
+``attack.params.scale``) contributes its attacks under their own label, ``sign_flip (scale=4.0)``; one
+run with settings of the rule (``+aggregator.pre_params.direction.margin=0.5``) is a configuration of its
+own, ``RULE @ pre_params.direction.margin=0.5``. Sweeps on the validation hold-out compare among themselves.
 """
 
 from __future__ import annotations
