@@ -358,7 +358,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--rules", nargs="+", default=[], help="only these configurations (and clean FedAvg)")
     parser.add_argument("--incumbent", default=DEFAULT, help=f"the current default (default: {DEFAULT})")
     args = parser.parse_args(argv)
-    print("\n".join(section(args.dirs, rules=args.rules, incumbent=args.incumbent)))
+    try:
+        lines = section(args.dirs, rules=args.rules, incumbent=args.incumbent)
+    except ValueError as err:  # sweeps that cannot be compared (no clean FedAvg, hold-out beside test set)
+        parser.error(str(err))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -164,3 +164,13 @@ def test_a_sweep_with_settings_of_the_rule_is_a_configuration_of_its_own(tmp_pat
         ("r @ pre_params.direction.margin=0.5", "mimic (noise=0.0)")}
     cases = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(results))}
     assert cases["r @ pre_params.direction.margin=0.5"].gap["iid"] == (pytest.approx(0.02), "mimic (noise=0.0)")
+
+
+def test_the_command_line_names_sweeps_it_cannot_compare_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    without_clean = _write(tmp_path / "d", [_run("iid", "r", "mimic", 0, 0.9)])
+    with pytest.raises(SystemExit) as stopped:
+        worst_case.main([str(without_clean)])
+    assert stopped.value.code == 2
+    assert "no clean FedAvg run (rule mean, attack none) for partition 'iid'" in capsys.readouterr().err
