@@ -93,7 +93,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.left_out", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", type=Path, nargs="+", help="study output directories (experiments.study --out)")
     args = parser.parse_args(argv)
-    tallies = tally(worst_case.labelled_results(args.dirs))
+    try:
+        tallies = tally(worst_case.labelled_results(args.dirs))
+    except ValueError as err:  # hold-out sweeps beside test-set ones
+        parser.error(str(err))
     if not tallies:
         sys.exit("no run in these directories records who was left out (rows without excluded_nodes)")
     print(table(tallies))
