@@ -45,3 +45,16 @@ def test_left_out_refuses_results_that_name_no_one(tmp_path: Path) -> None:
     old = write_sweep(tmp_path / "old", [study_run("iid", "dnc", "none", 0, 0.9)])  # rows without the fields
     with pytest.raises(SystemExit, match="no run in these directories records who was left out"):
         left_out.main([str(old)])
+
+
+def test_hold_out_sweeps_beside_test_set_ones_end_in_an_error_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_with_rounds("dnc", "sign_flip", 0, [[1]])
+    on_test = write_sweep(tmp_path / "test", [run])
+    held_out = write_sweep(tmp_path / "held_out", [run], extra=["dataset.validation_fraction=0.2"])
+    with pytest.raises(SystemExit) as stopped:
+        left_out.main([str(on_test), str(held_out)])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "validation hold-out (" + str(held_out) in err and "test set (" + str(on_test) in err
