@@ -459,6 +459,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_child(args.child, args.n, args.d_model, args.rounds, args.aggregation_device)))
         return
     flower = [e for e in args.flower.split(",") if e]
+    unknown = [e for e in flower if e not in FLOWER_ENTRIES]
+    if unknown:
+        raise SystemExit(f"--flower: unknown entry {unknown[0]!r}; valid: {', '.join(FLOWER_ENTRIES)}")
     rules = [r for r in args.rules.split(",") if r]
     for rule in rules:  # a rule or a pipeline (winsorize+nnm+trimmed_mean), as aggregators.build takes it
         try:
