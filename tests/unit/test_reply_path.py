@@ -9,10 +9,12 @@ release each reply's arrays once read.
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -209,16 +211,27 @@ def test_cuda_aggregation_is_refused_where_there_is_no_cuda() -> None:
     assert RobustStrategy(aggregation_device="auto").aggregation_device == torch.device("cpu")
 
 
+_DEFAULT_RULE = inspect.signature(RobustStrategy).parameters["aggregator"].default
+_PRE_PARAMS = {"clipping": {"threshold": 1.0}}  # pre-aggregators with a required parameter
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_every_rule_on_a_cuda_device_gives_the_cpu_result_over_rounds() -> None:
     """Rows from page-locked memory, the rule (and its state, for the stateful ones) on the device,
     checkpoint state on the CPU; each round's model as on the CPU, up to float rounding, and the same
     bytes in a second run on the device."""
     rules = [r for r in aggregators.names() if r != "fltrust"] + ["winsorize+nnm+trimmed_mean", "arc+nnm+median"]
-    for rule in rules:
+    configs: list[dict[str, Any]] = [{"aggregator": rule} for rule in [*rules, _DEFAULT_RULE]]
+    configs += [
+        {"aggregator": "trimmed_mean", "pre": [{"name": pre, **_PRE_PARAMS.get(pre, {})}]}
+        for pre in aggregators.pre_names()
+    ]
+    for config in configs:
+        rule = f"{config}"
+        n = max(N, aggregators.build(config["aggregator"], f=F, pre=config.get("pre", ())).min_n())  # Bulyan: 4f + 3
         on = {
             device: RobustStrategy(
-                aggregator=rule, num_byzantine=F, min_train_nodes=N, progress=False, aggregation_device=device
+                **config, num_byzantine=F, min_train_nodes=n, progress=False, aggregation_device=device
             )
             for device in ("cpu", "cuda", "cuda:0")
         }
@@ -226,11 +239,11 @@ def test_every_rule_on_a_cuda_device_gives_the_cpu_result_over_rounds() -> None:
         for server_round in (1, 2, 3):
             got = {}
             for device, strategy in on.items():
-                instructions = _instructions(strategy, state, N, server_round)
-                local = _locals(state, N, seed=server_round)
+                instructions = _instructions(strategy, state, n, server_round)
+                local = _locals(state, n, seed=server_round)
                 replies = [_reply(m, ArrayRecord(s), 50) for m, s in zip(instructions, local, strict=True)]
                 arrays, metrics = strategy.aggregate_train(server_round, replies)
-                assert arrays is not None and metrics["accepted"] == N, (rule, device)
+                assert arrays is not None and metrics["accepted"] == n, (rule, device)
                 got[device] = arrays.to_torch_state_dict()
             for key, value in got["cpu"].items():
                 torch.testing.assert_close(got["cuda"][key], value, rtol=1e-4, atol=1e-6, msg=f"{rule} {key}")
