@@ -265,11 +265,16 @@ class Basis:
                 torch.clamp(row, self.bounds[0].to(dtype), self.bounds[1].to(dtype), out=row)
             return row
         out = torch.empty(self.d, dtype=dtype, device=self.device)
-        weights = row_coef.to(dtype)
+        weights = row_coef.to(dtype)[:, None]
         extra_weights = extra_coef.tolist()
-        scratch = _Scratch(self.device)
+        scratch, products = _Scratch(self.device), _Scratch(self.device)
         for start, stop in self.spans(n):
-            torch.mv(self.block(start, stop, scratch).to(dtype).T, weights, out=out[start:stop])
+            # Products, then a sum over the rows, not torch.mv: BLAS's gemv splits the sum over the rows
+            # between its threads on some CPUs (MKL on an Intel Xeon), so the bytes of the result changed
+            # with the thread count. A reduction over dim 0 sums each coordinate in one thread.
+            block = self.block(start, stop, scratch).to(dtype)
+            terms = torch.mul(block, weights, out=products.take(n, stop - start, dtype))
+            torch.sum(terms, dim=0, out=out[start:stop])
             for weight, vector in zip(extra_weights, self.extras, strict=True):
                 out[start:stop].add_(vector[start:stop].to(dtype), alpha=weight)
         self.validated = True
