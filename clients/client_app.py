@@ -110,6 +110,7 @@ def local_update(
         weight_decay=c.weight_decay,
         device=device,
         amp=c.amp,
+        deterministic=c.deterministic,
         seed=seed,
     )
     local = {k: v.detach().cpu() for k, v in model.state_dict().items()}

@@ -96,6 +96,8 @@ class ClientConfig:
     weight_decay: float = 0.0
     device: str = "auto"
     amp: str = "none"
+    # Deterministic CUDA kernels, so that a GPU client's round gives the same bytes every time.
+    deterministic: bool = True
 
 
 @dataclass

@@ -124,6 +124,7 @@ def server_update_fn(cfg: RunConfig) -> ServerUpdateFn:
             weight_decay=c.weight_decay,
             device=training.pick_device(c.device),
             amp=c.amp,
+        deterministic=c.deterministic,
             seed=training.derive_seed(cfg.seed, server_round, _SERVER_PARTITION),
         )
         trained = model.state_dict()

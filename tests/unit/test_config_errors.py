@@ -92,6 +92,7 @@ WRONG: dict[str, Wrong] = {
     "client.weight_decay": Wrong("-1.0", "-1.0", "must be >= 0"),
     "client.device": Wrong("gpu", "gpu", "must be auto, cpu, cuda or cuda:N"),
     "client.amp": Wrong("fp8", "fp8", "unknown choice; valid choices: bf16, fp16, none"),
+    "client.deterministic": Wrong("maybe", "maybe", "must be true or false"),
     "validation.max_update_norm": Wrong("-1.0", "-1.0", "must be >= 0 (0: no bound)"),
     "validation.max_num_examples": Wrong("0", "0", "must be >= 1"),
     "validation.weight_by_num_examples": Wrong("maybe", "maybe", "must be true or false"),

@@ -101,6 +101,43 @@ def test_resnet_training_is_deterministic_with_batchnorm() -> None:
     assert int(a.state_dict()["stem.1.num_batches_tracked"]) == 3  # one BatchNorm update per batch
 
 
+def test_deterministic_changes_nothing_on_the_cpu(digits_client: TensorDataset) -> None:
+    kwargs = {"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.9, "device": "cpu", "seed": 7}
+    a, b = _mlp(), _mlp()
+    training.train(a, digits_client, deterministic=True, **kwargs)
+    training.train(b, digits_client, deterministic=False, **kwargs)
+    assert _same_state(a, b)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resnet_round_on_cuda_gives_the_same_bytes_every_time() -> None:
+    """cuDNN's convolution backward is not deterministic on its own: on an H200, three such rounds with
+    deterministic=False gave three different models (experiments/bench_client_train.py)."""
+    generator = torch.Generator().manual_seed(0)
+    dataset = TensorDataset(
+        torch.randn(512, 3, 32, 32, generator=generator), torch.randint(0, 10, (512,), generator=generator)
+    )
+
+    def run() -> nn.Module:
+        torch.manual_seed(0)
+        model = models.build_model("resnet", input_shape=(3, 32, 32), num_classes=10)
+        training.train(model, dataset, epochs=1, batch_size=32, lr=0.05, momentum=0.9, device="cuda", seed=3)
+        return model.cpu()
+
+    torch.use_deterministic_algorithms(False)
+    models_ = [run() for _ in range(3)]
+    assert all(_same_state(models_[0], other) for other in models_[1:])
+    assert not torch.are_deterministic_algorithms_enabled()  # the caller's setting is back
+    torch.use_deterministic_algorithms(True)  # and a caller's strict setting is kept, not made warn-only
+    try:
+        run()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_train_leaves_global_rng_alone_and_seeds_dropout(digits_client: TensorDataset) -> None:
     def dropout_model() -> nn.Module:
         torch.manual_seed(0)
