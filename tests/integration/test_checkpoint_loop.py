@@ -9,12 +9,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
 
 from experiments.inprocess import run_inprocess
 from fedrobust import RobustStrategy
 from fedrobust.checkpoint import CheckpointStore
+from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import RunConfig, from_flat
 from fedrobust.run_setup import validate
+from fedrobust.strategies.evaluation import build_global_model
 from tests.support.simulation import small_config
 
 
@@ -84,6 +88,30 @@ def test_incremental_checkpoints_resume_from_a_delta_to_identical_bytes(
     rows = run_inprocess(resumed, Path(resumed.output_dir))
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert _final_bytes(resumed) == uninterrupted_4_rounds
+
+
+def test_a_resumed_run_sends_the_model_in_its_own_key_order(tmp_path: Path) -> None:
+    """The checkpoint gives its tensors back in safetensors' order; the key order is the layout of the
+    update rows, so a resumed run in another order summed each coordinate's values at another position
+    and ended with other bytes (the mean's sum over rows rounds by position)."""
+    overrides = {"checkpoint.dir": str(tmp_path / "ckpt")}
+    first = small_config(tmp_path / "a", num_rounds=2, **overrides)
+    run_inprocess(first, Path(first.output_dir))
+    resumed = small_config(tmp_path / "b", num_rounds=3, **overrides)
+    honest = make_client_app(resumed)
+    app = ClientApp()
+    app.query()(honest)
+    seen: list[tuple[int, list[str]]] = []
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        seen.append((int(msg.content["config"]["server-round"]), list(msg.content["arrays"].keys())))
+        return honest(msg, context)
+
+    run_inprocess(resumed, Path(resumed.output_dir), client_app=app)
+    model_order = list(build_global_model(resumed).state_dict())
+    assert model_order != sorted(model_order)  # the MLP's order is not the alphabetical one
+    assert {r for r, _ in seen} == {3} and all(keys == model_order for _, keys in seen), seen
 
 
 # ------------------------------------------------------------------------------------------ auto interval
