@@ -97,9 +97,9 @@ class RoundLoop:
             # In the model's own key order, as an uninterrupted run keeps it: the checkpoint gives its
             # tensors back in safetensors' order, and the order of the keys is the layout of the update
             # rows (and of the aggregator's flat state), so the rules' rounding would differ after a resume.
-            saved = resumed.global_state
-            order = [k for k in initial_arrays if k in saved] + [k for k in saved if k not in initial_arrays]
-            arrays = ArrayRecord({k: saved[k] for k in order})
+            state = resumed.global_state
+            order = [k for k in initial_arrays if k in state] + [k for k in state if k not in initial_arrays]
+            arrays = ArrayRecord({k: state[k] for k in order})
             s.load_state_dict(resumed.strategy_tensors, resumed.strategy_meta)
             self.guard = resumed.guard
             self.client_states = client_state.decode(resumed.client_tensors, resumed.client_state)
