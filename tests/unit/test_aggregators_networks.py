@@ -196,3 +196,16 @@ def test_gram_over_many_blocks_and_spans_matches_float64(clamp: bool) -> None:
     lower = np.tril(np.ones((k, k), dtype=bool))
     assert (np.abs(got - want)[lower] <= 1e-6 * scale[lower]).all()
     assert np.abs(got - want)[lower].max() > 0  # really the float32 kernel, not a float64 copy
+
+
+def test_the_reference_rows_inner_products_are_the_same_on_any_thread_count(threads) -> None:
+    from fedrobust.aggregators.rows import inner_products
+
+    sample = torch.randn(50, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    threads(1)
+    one = inner_products(sample)
+    torch.testing.assert_close(one, sample @ sample.T)
+    assert torch.equal(one, one.T)
+    for count in (3, 16):
+        threads(count)
+        assert torch.equal(inner_products(sample), one), count
