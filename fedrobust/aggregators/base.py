@@ -155,6 +155,9 @@ class PreAggregator(Component):
         """Return the transformed rows (lazily; the data is not touched)."""
         raise NotImplementedError
 
+    def observe(self, aggregate: Tensor) -> None:
+        """The pipeline's output of the call that just ended (``[d]``); a stage that keeps it overrides this."""
+
 
 class RowFilter(PreAggregator):
     """A pre-aggregator that drops rows: at most ``f``, and never below ``2f + 1`` rows.

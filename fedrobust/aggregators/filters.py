@@ -116,6 +116,13 @@ class DirectionFilter(RowFilter):
     median but still pulls the same way is not a suspect. Suspects are dropped first (lowest combined
     z-score first), then the round's outliers (lowest score first).
 
+    **The previous aggregate** (``previous=True``). Copies of one client sent this round (mimic, spread
+    by noise) pull the mean of the others towards them, and an honest client with other data can then
+    look like an outlier. They cannot move the aggregate of the round before. With ``previous``, a row
+    is dropped in its round only if it is also an outlier by its score against the pipeline's previous
+    output (the same test, on the inner product with that output over the row's norm); the memory's
+    test is unchanged. The previous output is state (in the checkpoint: one model-sized vector).
+
     At most ``f`` rows are dropped and at least ``2f + 1`` kept. The scores come from the Gram matrix of
     the rows, one pass over the data; a stage after it that reads the same rows (NNM or a distance rule,
     with no winsorizing between) reuses that matrix. Needs ``n >= 2f + 1``; with ``f = 0`` the rows
@@ -138,6 +145,8 @@ class DirectionFilter(RowFilter):
     decay : float, default 1.0
         In ``(0, 1]``: how much of a client's earlier evidence is kept each time it is scored again
         (1: all of it, every round counts alike).
+    previous : bool, default False
+        Drop a row in its round only if its score against the previous aggregate is an outlier too.
     """
 
     name = "direction"
@@ -145,17 +154,49 @@ class DirectionFilter(RowFilter):
     uses_clients = True
 
     def __init__(
-        self, f: int = 0, *, z: float = 3.0, margin: float = 0.0, memory: bool = True, decay: float = 1.0
+        self,
+        f: int = 0,
+        *,
+        z: float = 3.0,
+        margin: float = 0.0,
+        memory: bool = True,
+        decay: float = 1.0,
+        previous: bool = False,
     ) -> None:
         super().__init__(f)
         self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
         self.margin = check_float(self.name, "margin", margin, minimum=0.0, inclusive=True)
         decay = check_float(self.name, "decay", decay, minimum=0.0, inclusive=False, maximum=1.0)
-        if not isinstance(memory, bool):
-            raise ValueError(f"{self.name}: parameter memory must be true or false, got {memory!r}")
+        for name, value in (("memory", memory), ("previous", previous)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{self.name}: parameter {name} must be true or false, got {value!r}")
         self.memory = memory
+        self.previous = previous
+        self.last_aggregate: Tensor | None = None  # the pipeline's previous output, with previous=True
         self.evidence = ClientEvidence(decay)
         self.clients: list[int] | None = None
+
+    def observe(self, aggregate: Tensor) -> None:
+        if self.previous:
+            self.last_aggregate = aggregate.detach().clone()
+
+    def scores_against_last(self, rows: Rows) -> Tensor | None:
+        """``[m]`` float64: each row's inner product with the previous aggregate, over its norm (or ``None``)."""
+        last = self.last_aggregate
+        if last is None or last.shape[0] != rows.basis.d:
+            return None
+        last = last.to(device=rows.device, dtype=torch.float64)
+        inner = torch.zeros(rows.m, dtype=torch.float64, device=rows.device)
+        for start, stop, chunk in rows.chunks(torch.float64, reuse=True):
+            # A sum per row, not chunk @ last: a matrix-vector product's bytes change with the thread count.
+            inner += (chunk * last[start:stop]).sum(dim=1)
+        return inner / rows.sq_norms().sqrt().clamp(min=torch.finfo(torch.float64).tiny)
+
+    def _outlying(self, scores: Tensor) -> Tensor:
+        """Rows whose score is at most ``-margin`` median scores and more than ``z`` scaled MADs below it."""
+        center = torch.sort(scores, stable=True).values[(scores.numel() - 1) // 2]
+        spread = 1.4826 * (scores - center).abs().median()
+        return (scores <= -self.margin * center.clamp(min=0)) & (scores < center - self.z * spread)
 
     def set_clients(self, clients: Sequence[int] | None) -> None:
         self.clients = None if clients is None else list(clients)
@@ -179,8 +220,11 @@ class DirectionFilter(RowFilter):
         ranked = torch.sort(scores, stable=True)
         center = ranked.values[(rows.m - 1) // 2]
         spread = 1.4826 * (ranked.values - center).abs().median()
-        outlying = (ranked.values <= -self.margin * center.clamp(min=0)) & (ranked.values < center - self.z * spread)
-        this_round = ranked.indices[outlying]
+        outlying = self._outlying(scores)
+        against_last = self.scores_against_last(rows) if self.previous else None
+        if against_last is not None:
+            outlying &= self._outlying(against_last.cpu())
+        this_round = ranked.indices[outlying[ranked.indices]]
         if clients is None:
             return this_round[:budget].to(rows.device)
         if len(clients) != rows.m:
@@ -199,17 +243,25 @@ class DirectionFilter(RowFilter):
         return torch.cat([suspects, rest])[: max(budget, 0)].to(rows.device)
 
     def state_dict(self) -> dict[str, Tensor]:
-        if not self.memory:
-            return {}
-        return {f"memory.{key}": value for key, value in self.evidence.state_dict().items()}
+        state = {}
+        if self.memory:
+            state = {f"memory.{key}": value for key, value in self.evidence.state_dict().items()}
+        if self.previous and self.last_aggregate is not None:
+            state["last_aggregate"] = self.last_aggregate.cpu()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        unknown = [key for key in state if not (self.memory and key.startswith("memory."))]
+        valid = [f"memory.{k}" for k in ("clients", "z_sum", "relative_sum", "rounds")] if self.memory else []
+        valid += ["last_aggregate"] if self.previous else []
+        unknown = [key for key in state if key not in valid]
         if unknown:
-            valid = "memory.clients, memory.z_sum, memory.relative_sum, memory.rounds" if self.memory else "none"
-            raise ValueError(f"{self.name}: unknown state keys {sorted(unknown)}; valid keys: {valid}")
-        if state:
-            self.evidence.load_state_dict({k.removeprefix("memory."): v for k, v in state.items()}, self.name)
+            raise ValueError(
+                f"{self.name}: unknown state keys {sorted(unknown)}; valid keys: {', '.join(valid) or 'none'}"
+            )
+        memory = {k.removeprefix("memory."): v for k, v in state.items() if k.startswith("memory.")}
+        if memory:
+            self.evidence.load_state_dict(memory, self.name)
+        self.last_aggregate = state.get("last_aggregate")
 
 
 @register_pre

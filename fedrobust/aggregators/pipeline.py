@@ -159,6 +159,8 @@ class Aggregator:
                 kept = set(rows.index.tolist())
                 self.last_filtered = tuple(i for i in range(n) if i not in kept)
         out = self.rule.aggregate(rows, row_weights)
+        for stage in self.pre:
+            stage.observe(out)
         if rows_are_inputs and self.rule.last_excluded:
             inputs = range(n) if rows.index is None else rows.index.tolist()
             self.last_excluded = tuple(sorted(inputs[i] for i in self.rule.last_excluded))

@@ -268,3 +268,50 @@ def test_fading_memory_names_a_sleeper_whose_clean_record_would_outweigh_its_fli
     assert relative < 0 and fading[2:] == [(N - 1,)] * 3
     with pytest.raises(ValueError, match="decay"):
         aggregators.build("mean", f=F, pre=[{"name": "direction", "decay": 0.0}])
+
+
+def test_previous_keeps_a_row_the_copies_turned_into_an_outlier_and_still_drops_a_reversed_one() -> None:
+    """Round 2: four copies pull the others' mean towards e2, so an honest row along e1 - e2 scores below
+    zero against the others; it still points the way of round 1's aggregate (e1), and with ``previous``
+    it stays. A reversed row scores below zero against both and goes either way."""
+    half = D // 2
+    e1 = torch.cat([torch.ones(half), torch.zeros(half)]).double()
+    e2 = torch.cat([torch.zeros(half), torch.ones(half)]).double()
+    g = torch.Generator().manual_seed(5)
+
+    def noise(n: int) -> Tensor:
+        return 0.3 * torch.randn(n, D, generator=g, dtype=torch.float64)
+
+    first = e1 + noise(N)
+    second = torch.cat([(e1 + e2) + noise(N - 6), 3 * e2 + noise(4), (e1 - e2)[None], -(e1 + e2)[None]])
+
+    def dropped(previous: bool) -> tuple[int, ...]:
+        agg = aggregators.build("mean", f=F, pre=[{"name": "direction", "memory": False, "previous": previous}])
+        agg(first)
+        agg(second)
+        return agg.last_filtered
+
+    assert dropped(False) == (N - 2, N - 1)
+    assert dropped(True) == (N - 1,)
+
+
+def test_previous_aggregate_survives_a_checkpoint() -> None:
+    rounds = fading_attack(5)
+
+    def build() -> aggregators.Aggregator:
+        return aggregators.build("mean", f=F, pre=[{"name": "direction", "previous": True}])
+
+    agg = build()
+    for x in rounds[:3]:
+        agg(x, clients=CLIENTS)
+    state = agg.state_dict()
+    assert state["pre.0.last_aggregate"].shape == (D,)
+    restored = build()
+    restored.load_state_dict(state)
+    for x in rounds[3:]:
+        assert torch.equal(agg(x, clients=CLIENTS), restored(x, clients=CLIENTS))
+        assert agg.last_filtered == restored.last_filtered
+    with pytest.raises(ValueError, match=r"unknown state keys \['last_aggregate'\]; valid keys: memory.clients"):
+        direction().load_state_dict(state)
+    with pytest.raises(ValueError, match="direction: parameter previous must be true or false, got 'yes'"):
+        aggregators.build("mean", f=1, pre=[{"name": "direction", "previous": "yes"}])
