@@ -7,7 +7,8 @@ weights on the same data with the same seed and thread count gives byte-identica
 (e.g. cuDNN's convolution backward) are not deterministic: with ``deterministic=True`` (the default) :func:`train`
 turns on ``torch.use_deterministic_algorithms`` (warn-only) for the call, sets ``CUBLAS_WORKSPACE_CONFIG`` if it is
 unset, and restores the caller's setting afterwards. On an H200 that made a ResNet's round give the same bytes every
-time, at no cost in speed (docs/benchmarks.md, "GPU clients"); on the CPU it changes nothing.
+time, at a cost within the spread of single rounds (docs/benchmarks.md, "GPU clients"); on the CPU it changes
+nothing.
 
 Mixed precision (``amp``): ``"bf16"`` runs the forward pass under :func:`torch.autocast` with bfloat16 on the
 model's device type (CPU or CUDA). ``"fp16"`` is for CUDA only, with a :class:`torch.amp.GradScaler`; on other

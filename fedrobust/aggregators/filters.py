@@ -86,6 +86,12 @@ class ClientEvidence:
         self.rounds = dict(zip(keys, state["rounds"].tolist(), strict=True))
 
 
+def _center_and_spread(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """The median score (the lower one of an even count) and the scaled MAD around it."""
+    center = torch.sort(scores, stable=True).values[(scores.numel() - 1) // 2]
+    return center, 1.4826 * (scores - center).abs().median()
+
+
 @register_pre
 class DirectionFilter(RowFilter):
     """Drop rows that push against the others, in this round or over the rounds a client took part in.
@@ -194,8 +200,7 @@ class DirectionFilter(RowFilter):
 
     def _outlying(self, scores: Tensor) -> Tensor:
         """Rows whose score is at most ``-margin`` median scores and more than ``z`` scaled MADs below it."""
-        center = torch.sort(scores, stable=True).values[(scores.numel() - 1) // 2]
-        spread = 1.4826 * (scores - center).abs().median()
+        center, spread = _center_and_spread(scores)
         return (scores <= -self.margin * center.clamp(min=0)) & (scores < center - self.z * spread)
 
     def set_clients(self, clients: Sequence[int] | None) -> None:
@@ -218,8 +223,7 @@ class DirectionFilter(RowFilter):
             return torch.empty(0, dtype=torch.int64)
         scores = self.scores(rows).cpu()
         ranked = torch.sort(scores, stable=True)
-        center = ranked.values[(rows.m - 1) // 2]
-        spread = 1.4826 * (ranked.values - center).abs().median()
+        center, spread = _center_and_spread(scores)
         outlying = self._outlying(scores)
         against_last = self.scores_against_last(rows) if self.previous else None
         if against_last is not None:
