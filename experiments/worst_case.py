@@ -54,6 +54,12 @@ def rule_label(rule: str, extra: Sequence[str]) -> str:
     return f"{rule} @ {', '.join(settings)}" if settings else rule
 
 
+def _ran_with(result: dict[str, Any], settings: Sequence[str]) -> list[str]:
+    """The sweep's ``settings`` that this run's overrides hold (all of them for a result without overrides)."""
+    own = result.get("overrides")
+    return list(settings) if own is None else [e for e in settings if e in own]
+
+
 def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The results of every sweep in ``dirs``, each labelled with its sweep's extra settings: those of the
     attack (``attack.params.*``) label the attack, every other one labels the rule (:func:`rule_label`).
@@ -80,7 +86,10 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
         of_rule = [e for e in extra if e not in of_attack]
         for r in load_results(directory):
             keep = not rules or r["rule"] in rules
-            r = r | {"rule": rule_label(r["rule"], of_rule), "attack": label(r["attack"], of_attack)}
+            # A run is labelled with the settings it ran with: tune runs clean FedAvg in the same sweep
+            # without the rule's own settings (the plain mean has none), so it stays clean FedAvg.
+            rule_settings, attack_settings = _ran_with(r, of_rule), _ran_with(r, of_attack)
+            r = r | {"rule": rule_label(r["rule"], rule_settings), "attack": label(r["attack"], attack_settings)}
             key = (r["partition"], r["rule"], r["attack"], r["seed"])
             keep = keep or (r["rule"], r["attack"]) == (CLEAN_RULE, CLEAN_ATTACK)
             if keep and key not in seen:

@@ -174,3 +174,18 @@ def test_the_command_line_names_sweeps_it_cannot_compare_and_exits_2(
         worst_case.main([str(without_clean)])
     assert stopped.value.code == 2
     assert "no clean FedAvg run (rule mean, attack none) for partition 'iid'" in capsys.readouterr().err
+
+
+def test_a_clean_run_without_the_sweeps_rule_settings_stays_clean_fedavg(tmp_path: Path) -> None:
+    """tune runs clean FedAvg in the setting's own sweep with the shared settings only (the plain mean has
+    no pre_params): each run is labelled with the settings it ran with, so that run is the reference."""
+    setting = ["dataset.validation_fraction=0.2", "+aggregator.pre_params.direction.previous=true"]
+    clean = _run("iid", "mean", "none", 0, 0.96) | {"overrides": setting[:1]}
+    probe = [_run("iid", "r", a, 0, acc) | {"overrides": setting} for a, acc in (("none", 0.955), ("mimic", 0.93))]
+    sweep = _write(tmp_path / "previous", [clean, *probe], extra=setting)
+    results = worst_case.labelled_results([sweep])
+    assert {(r["rule"], r["attack"]) for r in results} == {
+        ("mean", "none"), ("r @ pre_params.direction.previous=true", "none"),
+        ("r @ pre_params.direction.previous=true", "mimic")}
+    case = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(results))}
+    assert case["r @ pre_params.direction.previous=true"].gap["iid"] == (pytest.approx(0.03), "mimic")
