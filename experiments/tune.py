@@ -79,14 +79,38 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[str]]:
     return shared, rule_only
 
 
+def settings_with_clean_runs(settings: dict[str, list[str]]) -> set[str]:
+    """The settings that run clean FedAvg: the first of each group whose shared overrides are the same.
+
+    A setting that only changes the rule (``aggregator.*``) would run the very same clean FedAvg as the
+    setting before it; the selection takes the best clean FedAvg over all settings anyway.
+    """
+    seen: set[tuple[str, ...]] = set()
+    names = set()
+    for name, overrides in settings.items():
+        shared = tuple(split_overrides(overrides)[0])
+        if shared not in seen:
+            seen.add(shared)
+            names.add(name)
+    return names
+
+
 def run_setting(
-    name: str, overrides: list[str], *, rule: str, out: Path, validation_fraction: float, **study_args: Any
+    name: str,
+    overrides: list[str],
+    *,
+    rule: str,
+    out: Path,
+    validation_fraction: float,
+    clean: bool = True,
+    **study_args: Any,
 ) -> None:
-    """The study runs of one setting that are not in ``out`` yet."""
+    """The study runs of one setting that are not in ``out`` yet (clean FedAvg too, with ``clean``)."""
     extra = [f"dataset.validation_fraction={validation_fraction}", *overrides]
     shared, _ = split_overrides(extra)
     main, variants = sweep_dirs(out, name)
-    study.run_study(rules=["mean"], attacks=["none"], extra=shared, out=main, **study_args)
+    if clean:
+        study.run_study(rules=["mean"], attacks=["none"], extra=shared, out=main, **study_args)
     study.run_study(rules=[rule], attacks=list(ATTACKS), extra=extra, out=main, **study_args)
     for variant, attack, override in VARIANTS:
         study.run_study(rules=[rule], attacks=[attack], extra=[*extra, override], out=variants[variant], **study_args)
@@ -182,10 +206,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.report_only:
         study._worker_init()
         command = shlex.join(["python", "-m", "experiments.tune", *args_list])
+        with_clean = settings_with_clean_runs(settings)
         for name, overrides in settings.items():
             run_setting(
                 name, overrides, rule=args.rule, out=args.out, validation_fraction=args.validation_fraction,
-                partitions=args.partitions, seeds=args.seeds, rounds=args.rounds, jobs=args.jobs, command=command,
+                clean=name in with_clean, partitions=args.partitions, seeds=args.seeds, rounds=args.rounds,
+                jobs=args.jobs, command=command,
             )
     text = report(args.out, settings, args.rule, args.seeds)
     (args.out / "selection.md").write_text(text + "\n")

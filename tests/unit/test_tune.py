@@ -96,3 +96,13 @@ def test_each_variant_sweep_counts_as_an_attack_of_its_own(tmp_path: Path) -> No
     for path in variant_dirs["mimic_noise_1"].glob("*__mimic__*.json"):  # the spread copies: the worst attack
         path.write_text(path.read_text().replace('"accuracy": 0.955', '"accuracy": 0.9'))
     assert "| base | `-` | 6.0 (mimic (noise=1.0))" in tune.report(tmp_path, {"base": []}, RULE)
+
+
+def test_a_setting_that_only_changes_the_rule_runs_no_clean_fedavg_of_its_own() -> None:
+    settings = {
+        "base": [],
+        "previous": ["+aggregator.pre_params.direction.previous=true"],
+        "lr_0.1": ["client.lr=0.1"],
+        "lr_0.1_margin": ["client.lr=0.1", "+aggregator.pre_params.direction.margin=0.5"],
+    }
+    assert tune.settings_with_clean_runs(settings) == {"base", "lr_0.1"}
