@@ -6,7 +6,8 @@
 Each setting (a name and Hydra overrides) runs, through the study (``experiments/study.py``, resumable:
 results already in DIR are kept), clean FedAvg and the rule under the whole attack set, on the same
 clients as the study, with ``dataset.validation_fraction`` (default 0.2): every client trains without the
-held-out samples and the server evaluates on them, so the test set is never seen while choosing.
+held-out samples and the server evaluates on them, so the test set is never seen while choosing. A setting
+that only changes the rule (``aggregator.*``) shares the clean FedAvg of the setting before it.
 
 The choice uses the same measure as the default's (:mod:`experiments.worst_case`): each setting is scored as
 a rule, ``RULE @ setting``, by its worst gap over the attacks and its backdoor success rate, each against its
