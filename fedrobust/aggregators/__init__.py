@@ -20,6 +20,7 @@ from fedrobust.aggregators import geometric  # noqa: F401  isort: skip
 from fedrobust.aggregators import bulyan  # noqa: F401  isort: skip
 from fedrobust.aggregators import pre  # noqa: F401  isort: skip
 from fedrobust.aggregators import filters  # noqa: F401  isort: skip
+from fedrobust.aggregators import consistency  # noqa: F401  isort: skip
 from fedrobust.aggregators import dnc  # noqa: F401  isort: skip
 from fedrobust.aggregators import signguard  # noqa: F401  isort: skip
 from fedrobust.aggregators import clustering  # noqa: F401  isort: skip

@@ -16,9 +16,25 @@ from fedrobust.aggregators._registry import register_pre
 from fedrobust.aggregators.base import RowFilter, check_float
 from fedrobust.aggregators.rows import Rows
 
-__all__ = ["ClientEvidence", "DirectionFilter", "DuplicateFilter"]
+__all__ = ["ClientEvidence", "DirectionFilter", "DuplicateFilter", "center_and_spread", "client_ids", "signed_ids"]
 
 _INT64 = 1 << 64
+
+
+def signed_ids(clients: Sequence[int]) -> Tensor:
+    """Client ids (partition or node ids, up to ``2**64``) as signed 64-bit integers, for a state tensor."""
+    return torch.tensor([(k + (1 << 63)) % _INT64 - (1 << 63) for k in clients], dtype=torch.int64)
+
+
+def client_ids(state: Tensor) -> list[int]:
+    """The client ids of :func:`signed_ids` back as non-negative integers."""
+    return [k % _INT64 for k in state.tolist()]
+
+
+def center_and_spread(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """The median score (the lower one of an even count) and the scaled MAD around it."""
+    center = torch.sort(scores, stable=True).values[(scores.numel() - 1) // 2]
+    return center, 1.4826 * (scores - center).abs().median()
 
 
 class ClientEvidence:
@@ -67,7 +83,7 @@ class ClientEvidence:
     def state_dict(self) -> dict[str, Tensor]:
         keys = sorted(self.rounds)
         return {
-            "clients": torch.tensor([(k + (1 << 63)) % _INT64 - (1 << 63) for k in keys], dtype=torch.int64),
+            "clients": signed_ids(keys),
             "z_sum": torch.tensor([self.z_sum[k] for k in keys], dtype=torch.float64),
             "relative_sum": torch.tensor([self.relative_sum[k] for k in keys], dtype=torch.float64),
             "rounds": torch.tensor([self.rounds[k] for k in keys], dtype=torch.int64),
@@ -80,16 +96,10 @@ class ClientEvidence:
         lengths = {state[name].numel() for name in names}
         if len(lengths) != 1:
             raise ValueError(f"{owner}: memory state tensors differ in length: {sorted(lengths)}")
-        keys = [k % _INT64 for k in state["clients"].tolist()]  # back to the non-negative ids
+        keys = client_ids(state["clients"])
         self.z_sum = dict(zip(keys, state["z_sum"].tolist(), strict=True))
         self.relative_sum = dict(zip(keys, state["relative_sum"].tolist(), strict=True))
         self.rounds = dict(zip(keys, state["rounds"].tolist(), strict=True))
-
-
-def _center_and_spread(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """The median score (the lower one of an even count) and the scaled MAD around it."""
-    center = torch.sort(scores, stable=True).values[(scores.numel() - 1) // 2]
-    return center, 1.4826 * (scores - center).abs().median()
 
 
 @register_pre
@@ -200,7 +210,7 @@ class DirectionFilter(RowFilter):
 
     def _outlying(self, scores: Tensor) -> Tensor:
         """Rows whose score is at most ``-margin`` median scores and more than ``z`` scaled MADs below it."""
-        center, spread = _center_and_spread(scores)
+        center, spread = center_and_spread(scores)
         return (scores <= -self.margin * center.clamp(min=0)) & (scores < center - self.z * spread)
 
     def set_clients(self, clients: Sequence[int] | None) -> None:
@@ -223,7 +233,7 @@ class DirectionFilter(RowFilter):
             return torch.empty(0, dtype=torch.int64)
         scores = self.scores(rows).cpu()
         ranked = torch.sort(scores, stable=True)
-        center, spread = _center_and_spread(scores)
+        center, spread = center_and_spread(scores)
         outlying = self._outlying(scores)
         against_last = self.scores_against_last(rows) if self.previous else None
         if against_last is not None:

@@ -382,6 +382,14 @@ class Rows:
         """``sum_i weights[i] * row_i`` as a ``[d]`` tensor in the compute dtype."""
         return self.basis.combine(self.basis_coefficients(weights))
 
+    def columns(self, index: Tensor) -> Tensor:
+        """``[m, k]`` float64: the rows' coordinates at ``index`` (int64, on the rows' device)."""
+        picked = self.basis.columns(index).to(torch.float64)
+        if self.mix is None:
+            return picked if self.index is None else picked.index_select(0, self.index)
+        # Row by row, summed in row order: a matrix product's bytes change with the thread count.
+        return torch.stack([(weights[:, None] * picked).sum(dim=0) for weights in self.mix])
+
     def chunks(self, dtype: torch.dtype | None = None, *, reuse: bool = False) -> Iterator[tuple[int, int, Tensor]]:
         """Yield ``(start, stop, [m, stop - start] chunk)`` of the rows, by default in the compute dtype.
 

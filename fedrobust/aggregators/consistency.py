@@ -1,0 +1,135 @@
+"""A filter that remembers each client's direction and drops a client that turns against it (a sleeper)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from fedrobust.aggregators._registry import register_pre
+from fedrobust.aggregators.base import RowFilter, check_float, check_int
+from fedrobust.aggregators.filters import center_and_spread, client_ids, signed_ids
+from fedrobust.aggregators.rows import Rows
+
+__all__ = ["ConsistencyFilter"]
+
+# Coordinates are sampled with a fixed seed, so a resumed run samples the same ones.
+_SAMPLE_SEED = 0
+
+
+@register_pre
+class ConsistencyFilter(RowFilter):
+    """Drop rows whose client turned against its own past replies.
+
+    A client trains on the same data every round, so its updates point much the same way from one
+    round to the next, on non-IID data most of all (the cosine of an honest update with the client's
+    earlier ones stays near 0.3-0.8 through training). An attacker that sends honest updates until
+    some round and then reverses them (a sleeper) builds a clean record with every filter that judges
+    a client against the others, and its reversed updates late in training look no worse than honest
+    ones there. Against its own past it turns at once: its cosine drops to about -0.7.
+
+    Per client, the filter keeps a running direction: the mean of the unit vectors of the client's
+    accepted replies, each earlier one weighed down by ``decay`` per round (on ``coordinates`` sampled
+    coordinates, so the state stays small for large models). A row is dropped when its cosine with
+    its client's direction is at most zero **and** more than ``z`` scaled median absolute deviations
+    below the round's median cosine. A dropped row does not enter the direction, so a client that
+    turned stays turned (the same test fails every round after), while an honest client dropped once
+    is judged by its accepted past again next round. Like FLDetector (Zhang et al., KDD 2022), which
+    tests each update against one predicted from the client's history, but with a plain running mean.
+
+    Needs the rows' clients (``RobustStrategy`` gives them); without them each call drops nothing. At
+    most ``f`` rows are dropped and at least ``2f + 1`` kept, lowest cosine first. An attacker that
+    turns by small steps, a little each round, is not caught; reversing its update then takes it as
+    many rounds as the steps it needs.
+
+    Parameters
+    ----------
+    f : int
+        Most rows dropped.
+    z : float, default 3.0
+        How many scaled median absolute deviations below the round's median cosine a dropped row lies.
+    decay : float, default 0.7
+        In ``[0, 1)``: how much of a client's earlier direction is kept each round it is accepted
+        (0: only its last accepted reply).
+    coordinates : int, default 8192
+        How many coordinates (sampled once, with a fixed seed) the directions are kept on; all of them
+        for a smaller model. State: this many float32 values per client.
+    """
+
+    name = "consistency"
+    uses_clients = True
+
+    def __init__(self, f: int = 0, *, z: float = 3.0, decay: float = 0.7, coordinates: int = 8192) -> None:
+        super().__init__(f)
+        self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
+        self.decay = check_float(self.name, "decay", decay, minimum=0.0, inclusive=True, maximum=1.0)
+        if self.decay == 1.0:
+            raise ValueError(f"{self.name}: parameter decay must be < 1, got {decay!r}")
+        self.coordinates = check_int(self.name, "coordinates", coordinates, minimum=1)
+        self.directions: dict[int, Tensor] = {}
+        self.clients: list[int] | None = None
+        self._sample: tuple[int, Tensor] | None = None
+
+    def set_clients(self, clients: Sequence[int] | None) -> None:
+        self.clients = None if clients is None else list(clients)
+
+    def sample(self, d: int) -> Tensor:
+        """The sampled coordinates of a ``d``-coordinate model (int64, ascending; computed once per ``d``)."""
+        if self._sample is None or self._sample[0] != d:
+            if d <= self.coordinates:
+                index = torch.arange(d)
+            else:
+                generator = torch.Generator().manual_seed(_SAMPLE_SEED)
+                index = torch.randperm(d, generator=generator)[: self.coordinates].sort().values
+            self._sample = (d, index)
+        return self._sample[1]
+
+    def choose(self, rows: Rows, budget: int) -> Tensor:
+        clients = self.clients
+        if self.f == 0 or clients is None:
+            return torch.empty(0, dtype=torch.int64)
+        if len(clients) != rows.m:
+            raise ValueError(f"{self.name}: {len(clients)} clients given for {rows.m} rows")
+        units = rows.columns(self.sample(rows.d).to(rows.device)).cpu().to(torch.float64)
+        units = units / units.norm(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
+        known = [i for i, c in enumerate(clients) if c in self.directions]
+        cosines = torch.full((rows.m,), float("nan"), dtype=torch.float64)
+        for i in known:
+            past = self.directions[clients[i]].to(torch.float64)
+            cosines[i] = (units[i] * past).sum() / past.norm().clamp(min=torch.finfo(torch.float64).tiny)
+        turned = torch.zeros(rows.m, dtype=torch.bool)
+        if len(known) >= 3:
+            scores = cosines[known]
+            center, spread = center_and_spread(scores)
+            turned[known] = (scores <= 0) & (scores < center - self.z * spread)
+        for i, client in enumerate(clients):
+            if not turned[i]:
+                fresh = (1.0 - self.decay) * units[i]
+                earlier = self.directions.get(client)
+                if earlier is not None:
+                    fresh += self.decay * earlier.to(torch.float64)
+                self.directions[client] = fresh.to(torch.float32)
+        flagged = torch.nonzero(turned).flatten()
+        order = torch.sort(cosines[flagged], stable=True).indices
+        return flagged[order][: max(budget, 0)].to(rows.device)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        keys = sorted(self.directions)
+        if not keys:
+            return {}
+        return {"clients": signed_ids(keys), "directions": torch.stack([self.directions[k] for k in keys])}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        if not state:
+            self.directions = {}
+            return
+        if set(state) != {"clients", "directions"}:
+            raise ValueError(f"{self.name}: state needs the keys ['clients', 'directions'], got {sorted(state)}")
+        directions = state["directions"]
+        if directions.dim() != 2 or directions.shape[0] != state["clients"].numel():
+            raise ValueError(
+                f"{self.name}: state has {state['clients'].numel()} clients and directions of shape "
+                f"{list(directions.shape)}"
+            )
+        self.directions = dict(zip(client_ids(state["clients"]), directions.to(torch.float32), strict=True))

@@ -1,0 +1,117 @@
+"""The consistency filter: a client that turns against its own past replies (a sleeper) is dropped.
+
+Each client here has a direction of its own (its data), the same every round up to fresh noise, as on
+non-IID data; every test runs the filter through the pipeline, over several calls, as rounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from fedrobust import aggregators
+
+N, F, D = 12, 3, 300
+CLIENTS = [500 + 11 * i for i in range(N)]  # ids that are not the row positions
+SLEEPERS = (2, 7)
+TURN = 4  # the round (0-based) from which the sleepers reverse their updates
+
+
+def client_directions() -> Tensor:
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(N, D, generator=g, dtype=torch.float64)
+
+
+def round_rows(r: int, *, turned: bool = True) -> Tensor:
+    """Round ``r``: each client's own direction plus as much fresh noise; the sleepers reverse theirs
+    from round ``TURN`` on (when ``turned``)."""
+    g = torch.Generator().manual_seed(1000 + r)
+    x = client_directions() + torch.randn(N, D, generator=g, dtype=torch.float64)
+    if turned and r >= TURN:
+        for i in SLEEPERS:
+            x[i] = -x[i]
+    return x
+
+
+def consistency(**params: object) -> aggregators.Aggregator:
+    return aggregators.build("mean", f=F, pre=[{"name": "consistency", **params}])
+
+
+def test_a_client_that_turns_is_dropped_from_that_round_on_and_no_honest_client_is() -> None:
+    agg = consistency()
+    for r in range(TURN + 4):
+        agg(round_rows(r), clients=CLIENTS)
+        assert agg.last_filtered == (SLEEPERS if r >= TURN else ()), r
+
+
+def test_the_turn_is_caught_on_sampled_coordinates() -> None:
+    agg = consistency(coordinates=64)
+    for r in range(TURN + 2):
+        agg(round_rows(r), clients=CLIENTS)
+        assert agg.last_filtered == (SLEEPERS if r >= TURN else ()), r
+
+
+def test_the_filter_follows_the_client_not_the_row() -> None:
+    agg = consistency()
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(5))
+    for r in range(TURN + 2):
+        x = round_rows(r)
+        if r == TURN + 1:  # the rows come in another order: the sleepers are still found by their ids
+            x, clients = x[order], [CLIENTS[i] for i in order.tolist()]
+            agg(x, clients=clients)
+            expected = tuple(sorted(order.tolist().index(i) for i in SLEEPERS))
+        else:
+            agg(x, clients=CLIENTS)
+            expected = SLEEPERS if r >= TURN else ()
+        assert agg.last_filtered == expected, r
+
+
+def test_without_the_clients_it_drops_nothing() -> None:
+    agg = consistency()
+    for r in range(TURN + 2):
+        torch.testing.assert_close(agg(round_rows(r)), round_rows(r).mean(0))
+        assert agg.last_filtered == ()
+
+
+def test_a_checkpointed_filter_goes_on_as_one_never_stopped() -> None:
+    running = consistency()
+    for r in range(TURN):
+        running(round_rows(r), clients=CLIENTS)
+    state = running.state_dict()
+    assert state["pre.0.directions"].shape == (N, D)
+    resumed = consistency()
+    resumed.load_state_dict(state)
+    for r in range(TURN, TURN + 2):
+        torch.testing.assert_close(resumed(round_rows(r), clients=CLIENTS), running(round_rows(r), clients=CLIENTS))
+        assert resumed.last_filtered == SLEEPERS
+
+
+def test_a_reply_it_drops_does_not_move_the_clients_direction() -> None:
+    """A sleeper dropped in one round is compared with its accepted past again the next: it stays turned."""
+    agg = consistency(decay=0.0)  # the direction is the last accepted reply alone
+    for r in range(TURN + 3):
+        agg(round_rows(r), clients=CLIENTS)
+    assert agg.last_filtered == SLEEPERS
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"decay": 1.0}, "decay must be < 1"),
+        ({"decay": -0.1}, "decay"),
+        ({"coordinates": 0}, "coordinates must be an integer >= 1"),
+        ({"z": -1.0}, "parameter z"),
+    ],
+)
+def test_a_wrong_parameter_names_what_is_valid(params: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        consistency(**params)
+
+
+def test_a_state_of_the_wrong_shape_is_refused() -> None:
+    agg = consistency()
+    agg(round_rows(0), clients=CLIENTS)
+    state = agg.state_dict()
+    state["pre.0.clients"] = state["pre.0.clients"][:-1]
+    with pytest.raises(ValueError, match="consistency: state has 11 clients"):
+        consistency().load_state_dict(state)
