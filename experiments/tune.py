@@ -117,16 +117,16 @@ def run_setting(
         study.run_study(rules=[rule], attacks=[attack], extra=[*extra, override], out=variants[variant], **study_args)
 
 
-def selection_table(
+def selection_runs(
     out: Path, names: Sequence[str], rule: str, seeds: Sequence[int] | None = None
-) -> tuple[dict, dict[str, str]]:
-    """One worst-case table over every setting: ``RULE @ name`` per setting, and the best clean FedAvg.
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Every setting's runs, labelled as :func:`selection_table` scores them, and the reference per partition.
 
+    The rule's runs are labelled ``RULE @ name``, a variant's attack with its setting; of clean FedAvg,
+    only the runs of the setting with the best mean accuracy per partition are kept, as ``mean``/``none``.
     Only the runs of ``seeds`` count (all when None): a directory may hold more seeds from another selection.
-    Returns the table (:func:`experiments.worst_case.cells` keys) and, per partition, which setting's
-    FedAvg is the reference.
     """
-    table: dict[tuple[str, str, str], worst_case.Cell] = {}
+    runs: list[dict[str, Any]] = []
     clean: dict[str, tuple[worst_case.Cell, str]] = {}
     for name in names:
         main, variants = sweep_dirs(out, name)
@@ -136,21 +136,34 @@ def selection_table(
             results += [r | {"attack": label} for r in study.load_results(variants[variant])]
         results = [r for r in results if seeds is None or r["seed"] in seeds]
         for (partition, r, attack), cell in worst_case.cells(results).items():
-            if r == worst_case.CLEAN_RULE and attack == worst_case.CLEAN_ATTACK:
-                if partition not in clean or cell.accuracy > clean[partition][0].accuracy:
-                    clean[partition] = (cell, name)
-            elif r == rule:
-                table[(partition, f"{rule} @ {name}", attack)] = cell
-    for partition, (cell, _) in clean.items():
-        table[(partition, worst_case.CLEAN_RULE, worst_case.CLEAN_ATTACK)] = cell
-    return table, {p: name for p, (_, name) in clean.items()}
+            is_clean = (r, attack) == (worst_case.CLEAN_RULE, worst_case.CLEAN_ATTACK)
+            if is_clean and (partition not in clean or cell.accuracy > clean[partition][0].accuracy):
+                clean[partition] = (cell, name)
+        runs += [r | {"rule": f"{rule} @ {name}"} for r in results if r["rule"] == rule]
+        runs += [r | {"setting": name} for r in results if r["rule"] == worst_case.CLEAN_RULE
+                 and r["attack"] == worst_case.CLEAN_ATTACK]
+    reference = {p: name for p, (_, name) in clean.items()}
+    runs = [r for r in runs if r.get("setting", reference.get(r["partition"])) == reference.get(r["partition"])]
+    return runs, reference
+
+
+def selection_table(
+    out: Path, names: Sequence[str], rule: str, seeds: Sequence[int] | None = None
+) -> tuple[dict, dict[str, str]]:
+    """One worst-case table over every setting: ``RULE @ name`` per setting, and the best clean FedAvg.
+
+    Returns the table (:func:`experiments.worst_case.cells` keys) and, per partition, which setting's
+    FedAvg is the reference (:func:`selection_runs`).
+    """
+    runs, reference = selection_runs(out, names, rule, seeds)
+    return worst_case.cells(runs), reference
 
 
 def report(out: Path, settings: dict[str, list[str]], rule: str, seeds: Sequence[int] | None = None) -> str:
     """The selection as Markdown: every setting's worst case on validation data, best first, and the choice."""
-    table, reference = selection_table(out, list(settings), rule, seeds)
-    cases = worst_case.worst_cases(table)
-    chosen, why = worst_case.choose(cases, f"{rule} @ {BASE}" if BASE in settings else cases[0].rule)
+    runs, reference = selection_runs(out, list(settings), rule, seeds)
+    cases = worst_case.worst_cases(worst_case.cells(runs))
+    chosen, why = worst_case.choose(cases, f"{rule} @ {BASE}" if BASE in settings else cases[0].rule, runs)
     partitions = [p for p in study.PARTITIONS if p in reference]
     lines = [
         f"Validation hold-out, `{rule}`: worst gap to clean FedAvg (points; at its best setting: "

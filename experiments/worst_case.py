@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ GOAL_ASR = 0.05
 # The default rule (RunConfig's, which conf/config.yaml and RobustStrategy share): a challenger must beat it
 # beyond the noise.
 DEFAULT = AggregatorConfig().name
+# The fewest seeds two configurations must share for the paired test of choose(); fewer are too few to resample.
+MIN_PAIRED_SEEDS = 5
 # "Visibly broken": the plain mean loses at least this much under the attacks that should break it.
 BROKEN_GAP = 0.20
 MUST_BREAK_MEAN = (
@@ -203,16 +206,63 @@ def worst_cases(table: dict[tuple[str, str, str], Cell], *, include_mean: bool =
     return sorted(cases, key=lambda c: (any(c.missing.values()), c.score))
 
 
-def choose(cases: list[WorstCase], incumbent: str) -> tuple[WorstCase, str]:
-    """The default and why: the lowest score, unless the incumbent's is within the seeds' noise of it.
+def paired_difference(
+    results: Sequence[dict[str, Any]], incumbent: str, challenger: str, *, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """The 95% interval of the incumbent's score minus the challenger's, bootstrapping the seeds they share
+    (nan when they share fewer than ``MIN_PAIRED_SEEDS``).
 
-    Changing a default changes every user's runs, so a challenger must beat the incumbent by more than
-    one combined standard error; otherwise the ranking is a coin toss of the seeds.
+    Both configurations and clean FedAvg ran on the same seeds, so a seed that is hard for one (its clean
+    FedAvg ends low, its clients' data are far apart) tends to be hard for the other: resampling whole
+    seeds, the same ones for both, keeps that pairing, which the standard errors of :func:`choose`'s
+    fallback ignore. Each resample scores both as :func:`worst_cases` does.
+    """
+    mine = [r for r in results if r["rule"] in (incumbent, challenger, CLEAN_RULE)]
+    mine = [r for r in mine if r["rule"] != CLEAN_RULE or r["attack"] == CLEAN_ATTACK]
+    groups: dict[tuple[str, str, str], set[int]] = {}
+    for r in mine:
+        groups.setdefault((r["partition"], r["rule"], r["attack"]), set()).add(r["seed"])
+    seeds = sorted(set.intersection(*groups.values())) if groups else []
+    if len(seeds) < MIN_PAIRED_SEEDS:
+        return math.nan, math.nan
+    by_seed: dict[int, list[dict[str, Any]]] = {s: [] for s in seeds}
+    for r in mine:
+        if r["seed"] in by_seed:
+            by_seed[r["seed"]].append(r)
+    rng = random.Random(seed)
+    differences = []
+    for _ in range(resamples):
+        drawn = [r for s in rng.choices(seeds, k=len(seeds)) for r in by_seed[s]]
+        score = {c.rule: c.score for c in worst_cases(cells(drawn))}
+        differences.append(score[incumbent] - score[challenger])
+    differences.sort()
+    return differences[int(0.025 * resamples)], differences[int(0.975 * resamples) - 1]
+
+
+def choose(
+    cases: list[WorstCase], incumbent: str, results: Sequence[dict[str, Any]] | None = None
+) -> tuple[WorstCase, str]:
+    """The default and why: the lowest score, unless the incumbent's may be as low within the seeds' noise.
+
+    Changing a default changes every user's runs, so a challenger must beat the incumbent beyond the
+    noise. With the ``results`` the scores come from, the test is paired: the challenger wins when the
+    95% interval of the score difference over bootstrapped seeds (:func:`paired_difference`) lies above
+    zero. Without them, or on fewer than ``MIN_PAIRED_SEEDS`` shared seeds (too few to resample), by more
+    than one combined standard error of the two scores.
     """
     best = cases[0]
     current = next((c for c in cases if c.rule == incumbent and not any(c.missing.values())), None)
     if current is None or current is best:
         return best, "the lowest score"
+    low, high = paired_difference(results, incumbent, best.rule) if results is not None else (math.nan, math.nan)
+    if not math.isnan(low):
+        interval = f"paired over the seeds, 95% interval of the difference [{low:.2f}, {high:.2f}]"
+        if not low > 0:
+            return current, (
+                f"kept: {best.rule}'s lower score ({best.score:.2f}) is within the seeds' noise of the current "
+                f"default's {current.score:.2f} ({interval})"
+            )
+        return best, f"the lowest score, {current.score - best.score:.2f} below {incumbent}'s ({interval})"
     noise = math.hypot(best.score_sem, current.score_sem)
     if current.score - best.score <= noise:
         return current, (
@@ -244,7 +294,7 @@ def section(
         return []
     table = cells(results)
     cases = worst_cases(table)
-    chosen, why = choose(cases, incumbent) if cases else (None, "")
+    chosen, why = choose(cases, incumbent, results) if cases else (None, "")
     mean_case = next(iter(c for c in worst_cases(table, include_mean=True) if c.rule == CLEAN_RULE), None)
     if not any(k[1] == CLEAN_RULE and k[2] != CLEAN_ATTACK for k in table):
         mean_case = None  # only the clean reference ran: the mean was not measured under attack
@@ -264,7 +314,9 @@ def section(
         f"largest gap divided by its goal ({goal}) or the backdoor's attack success rate on triggered "
         f"test images divided by its goal ({GOAL_ASR:.2f}), whichever is larger: a score <= 1 meets every "
         "goal. The lowest score is the default, unless the current default's score is within the seeds' "
-        "noise of it (one combined standard error of the measures that set the two scores).",
+        "noise of it: the 95% interval of the difference of the two scores, bootstrapping the seeds they "
+        f"share (the same seeds for both; {MIN_PAIRED_SEEDS} or more, else one combined standard error), must "
+        "lie above zero.",
         "",
         "| configuration | " + " | ".join(f"worst gap, {p} (attack)" for p in partitions)
         + " | score ± s.e. | " + " | ".join(f"backdoor ASR, {p}" for p in partitions) + " |",

@@ -116,6 +116,46 @@ def test_the_default_changes_only_when_the_challenger_wins_beyond_the_seeds_nois
     assert chosen.rule == "challenger" and why.startswith("the lowest score, 1.50 below incumbent's")
 
 
+def _paired_study(tmp_path: Path, challenger_gaps: tuple[float, ...]) -> list[dict]:
+    """Seven seeds whose clean FedAvg ends far apart (0.90-0.99); on each, the incumbent loses 3 points under
+    min-max and the challenger as given: the seeds' spread hides a steady difference from standard errors."""
+    runs = []
+    for s, gap in enumerate(challenger_gaps):
+        clean = 0.90 + 0.015 * s
+        runs += [_run("iid", "mean", "none", s, clean), _run("iid", "incumbent", "min_max", s, clean - 0.03)]
+        runs.append(_run("iid", "challenger", "min_max", s, clean - gap))
+    return worst_case.labelled_results([_write(tmp_path / "d", runs)])
+
+
+def test_the_paired_test_finds_a_steady_win_that_standard_errors_call_noise(tmp_path: Path) -> None:
+    results = _paired_study(tmp_path, (0.02, 0.021, 0.019, 0.02, 0.022, 0.018, 0.02))
+    cases = worst_case.worst_cases(worst_case.cells(results))
+    assert [c.rule for c in cases] == ["challenger", "incumbent"]
+    unpaired, why = worst_case.choose(cases, "incumbent")
+    assert unpaired.rule == "incumbent" and why.startswith("kept:")
+    low, high = worst_case.paired_difference(results, "incumbent", "challenger")
+    assert 0.8 <= low <= high <= 1.2  # a point better on every seed, against a goal of 1 point
+    paired, why = worst_case.choose(cases, "incumbent", results)
+    assert paired.rule == "challenger" and "paired over the seeds" in why
+
+
+def test_a_challenger_that_loses_on_some_seeds_is_kept_out(tmp_path: Path) -> None:
+    # Better by 0.6 points on average: 3 points better on four seeds, 2-3 points worse on the other three.
+    results = _paired_study(tmp_path, (0.0, 0.06, 0.0, 0.06, 0.0, 0.05, 0.0))
+    cases = worst_case.worst_cases(worst_case.cells(results))
+    low, _ = worst_case.paired_difference(results, "incumbent", "challenger")
+    assert low < 0
+    chosen, why = worst_case.choose(cases, "incumbent", results)
+    assert chosen.rule == "incumbent" and why.startswith("kept:") and "paired over the seeds" in why
+
+
+def test_too_few_shared_seeds_fall_back_to_standard_errors(tmp_path: Path) -> None:
+    results = [r for r in _paired_study(tmp_path, (0.02,) * 7) if r["seed"] < worst_case.MIN_PAIRED_SEEDS - 1]
+    assert all(math.isnan(x) for x in worst_case.paired_difference(results, "incumbent", "challenger"))
+    _, why = worst_case.choose(worst_case.worst_cases(worst_case.cells(results)), "incumbent", results)
+    assert "paired" not in why
+
+
 def test_a_run_in_two_overlapping_sweeps_counts_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Ten seeds gathered from a three-seed sweep and a later ten-seed one: seeds 0-2 are in both."""
     clean = [_run("iid", "mean", "none", s, 0.96) for s in range(4)]
