@@ -27,12 +27,12 @@ class AggregatorConfig:
     """Robust rule and the pre-aggregators run in front of it.
 
     ``name`` picks a built-in rule, or a whole pipeline: pre-aggregators, then the rule, joined with
-    ``+`` (the default, ``direction+dedup+winsorize+nnm+trimmed_mean``, chosen by its worst case over
+    ``+`` (the default, ``consistency+direction+dedup+winsorize+nnm+trimmed_mean``, chosen by its worst case over
     the attack set: docs/results.md). ``_target_`` (a dotted path, e.g. ``my_pkg.rules.MyRule``) picks a user rule
     instead, called with ``f`` and ``params`` (see :mod:`fedrobust.components`); ``name`` is then unused.
     """
 
-    name: str = "direction+dedup+winsorize+nnm+trimmed_mean"
+    name: str = "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
     _target_: str = ""
     # Comma-separated pre-aggregator names in front of a bare rule name or a _target_ rule (e.g.
     # "clipping,nnm"); a pipeline in `name` lists its own. A string rather than a list so that Flower's

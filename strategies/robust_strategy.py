@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedrobust import aggregators, memory, protocol
-from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, LivenessConfig
+from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, AggregatorConfig, LivenessConfig
 from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import ServerOptimizer
@@ -200,10 +200,11 @@ class RobustStrategy(Strategy):
         The robust rule. A name from ``fedrobust.aggregators.names()`` (``trimmed_mean``, ``median``,
         ``krum``, ``multikrum``, ``geometric_median``, ``centered_clipping``, ``bulyan``, ``mean``,
         ...), or a pipeline: pre-aggregators, then the rule, joined with ``+``. The default,
-        ``direction+dedup+winsorize+nnm+trimmed_mean``, has the best worst case over the attack set of
-        the project's study (docs/results.md): it drops replies that push against the others (this
-        round, or over the rounds their client took part in) and copies of one update, then
-        winsorizes, mixes neighbours and trims each coordinate; a user rule's dotted path
+        ``consistency+direction+dedup+winsorize+nnm+trimmed_mean``, has the best worst case over the attack set of
+        the project's study (docs/results.md): it drops replies whose client turned against its own
+        earlier replies, replies that push against the others (this round, or over the rounds their
+        client took part in) and copies of one update, then winsorizes, mixes neighbours and trims
+        each coordinate; a user rule's dotted path
         (``"my_pkg.rules.MyRule"`` or ``"my_pkg.rules:MyRule"``, as a config's
         ``aggregator._target_``), or that class or factory itself: called with ``f`` (when
         its signature names it) and ``aggregator_params``, it returns a callable from the ``[n, d]``
@@ -320,7 +321,7 @@ class RobustStrategy(Strategy):
 
     def __init__(
         self,
-        aggregator: str | Callable[..., Any] | aggregators.Aggregator = "direction+dedup+winsorize+nnm+trimmed_mean",
+        aggregator: str | Callable[..., Any] | aggregators.Aggregator = AggregatorConfig.name,
         num_byzantine: int = 0,
         *,
         pre: Sequence[str | Mapping[str, Any]] | str = (),

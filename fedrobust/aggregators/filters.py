@@ -132,7 +132,7 @@ class DirectionFilter(RowFilter):
     median but still pulls the same way is not a suspect. Suspects are dropped first (lowest combined
     z-score first), then the round's outliers (lowest score first).
 
-    **The previous aggregate** (``previous=True``). Copies of one client sent this round (mimic, spread
+    **The previous aggregate** (``previous=True``, the default). Copies of one client sent this round (mimic, spread
     by noise) pull the mean of the others towards them, and an honest client with other data can then
     look like an outlier. They cannot move the aggregate of the round before. With ``previous``, a row
     is dropped in its round only if it is also an outlier by its score against the pipeline's previous
@@ -161,8 +161,9 @@ class DirectionFilter(RowFilter):
     decay : float, default 1.0
         In ``(0, 1]``: how much of a client's earlier evidence is kept each time it is scored again
         (1: all of it, every round counts alike).
-    previous : bool, default False
-        Drop a row in its round only if its score against the previous aggregate is an outlier too.
+    previous : bool, default True
+        Drop a row in its round only if its score against the previous aggregate is an outlier too
+        (chosen on validation data with the default pipeline, docs/results.md).
     """
 
     name = "direction"
@@ -177,7 +178,7 @@ class DirectionFilter(RowFilter):
         margin: float = 0.0,
         memory: bool = True,
         decay: float = 1.0,
-        previous: bool = False,
+        previous: bool = True,
     ) -> None:
         super().__init__(f)
         self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)

@@ -101,7 +101,7 @@ class _Optimal(Attack):
     """Common part: the rule to attack and the search over one scale."""
 
     omniscient: ClassVar[bool] = True
-    rule: str = "direction+dedup+winsorize+nnm+trimmed_mean"  # the server's default
+    rule: str = "consistency+direction+dedup+winsorize+nnm+trimmed_mean"  # the server's default
     rule_f: int | None = None
     rule_params: dict[str, Any] = field(default_factory=dict)
     max_scale: float = 10.0
@@ -158,7 +158,7 @@ class OptimalALIE(_Optimal):
 
     Parameters
     ----------
-    rule : str, default "direction+dedup+winsorize+nnm+trimmed_mean"
+    rule : str, default "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
         Registered aggregation rule, or ``+``-joined pipeline, the server is assumed to run.
     rule_f : int or None, default None
         The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
@@ -198,7 +198,7 @@ class OptimalIPM(_Optimal):
 
     Parameters
     ----------
-    rule : str, default "direction+dedup+winsorize+nnm+trimmed_mean"
+    rule : str, default "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
         Registered aggregation rule, or ``+``-joined pipeline, the server is assumed to run.
     rule_f : int or None, default None
         The rule's ``f``; ``None`` means the number of Byzantine rows of the round.

@@ -41,6 +41,7 @@ PRE_PARAMS: dict[str, dict] = {
     "winsorize": {},
     "direction": {},
     "dedup": {},
+    "consistency": {},
     "dnc": {"sub_dim": 20, "niters": 2},
 }
 # Rules after a pre-aggregator: one distance-based and one coordinate-wise rule.
@@ -48,7 +49,8 @@ PIPELINES = [(rule, ()) for rule in RULE_PARAMS] + [(rule, (pre,)) for pre in PR
 # Properties that hold for some pipelines only.
 TRANSLATION_EQUIVARIANT = {"mean", "median", "trimmed_mean", "krum", "multikrum", "geometric_median", "bulyan", "dnc"}
 # Keep translation equivariance; clipping, ARC and the direction filter (it reads norms) do not.
-AFFINE_PRES = {"nnm", "bucketing", "winsorize", "dnc", "dedup"}
+# The consistency filter drops nothing without the rows' clients (which these calls do not give).
+AFFINE_PRES = {"nnm", "bucketing", "winsorize", "dnc", "dedup", "consistency"}
 PERMUTATION_DEPENDENT_PRES = {"bucketing"}  # which rows share a bucket depends on the row order
 # Rules whose state (a center, a generator) survives a call; the others must report an empty state.
 STATEFUL = {"centered_clipping", "dnc"}

@@ -135,8 +135,10 @@ def threads() -> Iterator[Callable[[int], None]]:
 _KERNEL_RULES = {"trimmed_mean", "median", "krum", "geometric_median", "winsorize+nnm+trimmed_mean"}
 _PRE_PARAMS: dict[str, dict[str, float]] = {"clipping": {"threshold": 1.0}}
 _THREAD_CASES = [(rule, ()) for rule in aggregators.names() if rule != "fltrust"] + [
-    (pipeline, ()) for pipeline in ("winsorize+nnm+trimmed_mean", "direction+dedup+winsorize+nnm+trimmed_mean",
-                                    "arc+nnm+median", "nnm+geometric_median")
+    (pipeline, ()) for pipeline in (
+        "winsorize+nnm+trimmed_mean", "consistency+direction+dedup+winsorize+nnm+trimmed_mean", "arc+nnm+median",
+        "nnm+geometric_median",
+    )
 ] + [("trimmed_mean", ({"name": pre, **_PRE_PARAMS.get(pre, {})},)) for pre in aggregators.pre_names()]
 
 

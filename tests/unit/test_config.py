@@ -49,9 +49,10 @@ def test_unknown_aggregator_names_valid_choices() -> None:
 
 def test_default_aggregator_is_the_pipeline_in_one_field() -> None:
     cfg = validate(_compose())
-    assert cfg.aggregator.name == "direction+dedup+winsorize+nnm+trimmed_mean" and cfg.aggregator.pre == ""
-    assert (cfg.pre_aggregators(), cfg.rule()) == (["direction", "dedup", "winsorize", "nnm"], "trimmed_mean")
-    assert build_aggregator(cfg).label == "trimmed_mean (after direction, dedup, winsorize, nnm)"
+    assert cfg.aggregator.name == "consistency+direction+dedup+winsorize+nnm+trimmed_mean" and cfg.aggregator.pre == ""
+    pre = ["consistency", "direction", "dedup", "winsorize", "nnm"]
+    assert (cfg.pre_aggregators(), cfg.rule()) == (pre, "trimmed_mean")
+    assert build_aggregator(cfg).label == "trimmed_mean (after consistency, direction, dedup, winsorize, nnm)"
 
 
 def test_picking_a_rule_by_name_drops_the_default_pre_aggregators() -> None:
@@ -72,7 +73,7 @@ def test_unknown_pipeline_stage_is_named() -> None:
 
 
 def test_pre_aggregators_in_both_fields_are_refused_with_the_one_field_form() -> None:
-    one_field = r"'clipping\+direction\+dedup\+winsorize\+nnm\+trimmed_mean'"
+    one_field = r"'clipping\+consistency\+direction\+dedup\+winsorize\+nnm\+trimmed_mean'"
     with pytest.raises(ValueError, match=r"aggregator\.pre=clipping: .*" + one_field):
         validate(_compose("aggregator.pre=clipping"))
 

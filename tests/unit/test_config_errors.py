@@ -58,14 +58,14 @@ WRONG: dict[str, Wrong] = {
     "aggregator.pre": Wrong(
         "nmm",
         "nmm",
-        "unknown choice; valid choices: arc, bucketing, clipping, dedup, direction, dnc, nnm, winsorize",
+        "unknown choice; valid choices: arc, bucketing, clipping, consistency, dedup, direction, dnc, nnm, winsorize",
         ("aggregator.name=trimmed_mean",),
     ),
     "aggregator.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) bogus; valid parameters:"),
     "aggregator.pre_params": Wrong(
         "{arc:{}}",
         '{"arc": {}}',
-        "which the pipeline ['direction', 'dedup', 'winsorize', 'nnm', 'trimmed_mean'] does not run",
+        "which the pipeline ['consistency', 'direction', 'dedup', 'winsorize', 'nnm', 'trimmed_mean'] does not run",
     ),
     "aggregator.root_size": Wrong("0", "0", "must be >= 1"),
     "aggregator.device": Wrong("gpu", "gpu", "invalid device 'gpu'; valid: 'auto', 'cpu', 'cuda' or"),

@@ -311,7 +311,8 @@ def test_previous_aggregate_survives_a_checkpoint() -> None:
     for x in rounds[3:]:
         assert torch.equal(agg(x, clients=CLIENTS), restored(x, clients=CLIENTS))
         assert agg.last_filtered == restored.last_filtered
+    without_previous = aggregators.build("mean", f=F, pre=[{"name": "direction", "previous": False}])
     with pytest.raises(ValueError, match=r"unknown state keys \['last_aggregate'\]; valid keys: memory.clients"):
-        direction().load_state_dict(state)
+        without_previous.load_state_dict(state)
     with pytest.raises(ValueError, match="direction: parameter previous must be true or false, got 'yes'"):
         aggregators.build("mean", f=1, pre=[{"name": "direction", "previous": "yes"}])
