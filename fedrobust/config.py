@@ -79,6 +79,10 @@ class ModelConfig:
 class ServerOptimizerConfig:
     name: str = "fedavg"
     lr: float = 1.0
+    # How the lr changes over the rounds: constant, or cosine (down towards min_lr_ratio * lr after the
+    # last round; fedrobust.server_optim.lr_factor).
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
     momentum: float = 0.9
     beta_1: float = 0.9
     beta_2: float = 0.99

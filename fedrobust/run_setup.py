@@ -27,6 +27,7 @@ from fedrobust.config import (
     format_value,
 )
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
+from fedrobust.server_optim import SCHEDULES as SERVER_LR_SCHEDULES
 from fedrobust.server_optim import ServerOptimizer
 from fedrobust.training import pick_device
 
@@ -273,6 +274,9 @@ def _check_server_optimizer(cfg: RunConfig, problems: list[str]) -> None:
     for name in ("momentum", "beta_1", "beta_2"):
         _in_unit(problems, f"server_optimizer.{name}", getattr(opt, name))
     _positive(problems, "server_optimizer.tau", opt.tau)
+    _choice(problems, "server_optimizer.schedule", opt.schedule, SERVER_LR_SCHEDULES)
+    if not 0.0 <= opt.min_lr_ratio <= 1.0:
+        _problem(problems, "server_optimizer.min_lr_ratio", opt.min_lr_ratio, "must be in [0, 1]")
     if len(problems) == before and opt.name in SERVER_OPTIMIZERS:
         # Whatever else the optimizer itself refuses.
         try:

@@ -10,6 +10,7 @@ Flower's FedAvgM / FedAdam / FedYogi do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,26 @@ from typing import Any
 import torch
 
 NAMES = ("fedavg", "fedavgm", "fedadam", "fedyogi")
+# How the server lr changes over the rounds (lr_factor).
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_factor(schedule: str, server_round: int, num_rounds: int, min_ratio: float = 0.0) -> float:
+    """The server lr's multiplier in round ``server_round`` (1-based) of ``num_rounds``.
+
+    ``constant``: 1. ``cosine``: PyTorch's ``CosineAnnealingLR`` over the rounds, from 1 in the first round
+    down towards ``min_ratio`` (its ``eta_min``, relative to the lr) after the last:
+    ``min_ratio + (1 - min_ratio) * (1 + cos(pi * (round - 1) / num_rounds)) / 2``. Late rounds then move
+    the model less, so what an attack (or a client's drift) puts into one late aggregate is damped.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown server lr schedule {schedule!r}; valid choices: {list(SCHEDULES)}")
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"server lr min_ratio must be in [0, 1], got {min_ratio!r}")
+    if schedule == "constant":
+        return 1.0
+    progress = (server_round - 1) / max(num_rounds, 1)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass

@@ -62,6 +62,8 @@ def strategy_from_config(
         weight_by_num_examples=cfg.validation.weight_by_num_examples,
         server_optimizer=cfg.server_optimizer.name,
         server_lr=cfg.server_optimizer.lr,
+        server_lr_schedule=cfg.server_optimizer.schedule,
+        server_lr_min_ratio=cfg.server_optimizer.min_lr_ratio,
         server_optimizer_params={
             "momentum": cfg.server_optimizer.momentum,
             "beta_1": cfg.server_optimizer.beta_1,

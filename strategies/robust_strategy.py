@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -35,7 +36,8 @@ from fedrobust import aggregators, memory, protocol
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, AggregatorConfig, LivenessConfig
 from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
-from fedrobust.server_optim import ServerOptimizer
+from fedrobust.server_optim import SCHEDULES as LR_SCHEDULES
+from fedrobust.server_optim import ServerOptimizer, lr_factor
 from fedrobust.signing import TrustStore
 from fedrobust.strategies.replies import parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
@@ -235,6 +237,14 @@ class RobustStrategy(Strategy):
         Server learning rate.
     server_optimizer_params : mapping, optional
         ``momentum`` (fedavgm), ``beta_1``, ``beta_2``, ``tau`` (fedadam, fedyogi).
+    server_lr_schedule : str or callable
+        How the server lr changes over the rounds: ``"constant"``, ``"cosine"`` (from ``server_lr`` in the
+        first round down towards ``server_lr_min_ratio * server_lr``, as PyTorch's ``CosineAnnealingLR``;
+        :func:`fedrobust.server_optim.lr_factor`), or a function ``(server_round, num_rounds) -> factor``
+        (as ``LambdaLR``'s ``lr_lambda``) whose positive factor multiplies ``server_lr``. A rollback's
+        ``lr_decay`` multiplies on top.
+    server_lr_min_ratio : float
+        In ``[0, 1]``: the cosine schedule's floor, relative to ``server_lr``.
     aggregation_device : str
         Where the rule runs: ``"cpu"`` (default; the rules' compiled CPU kernels), ``"cuda"``,
         ``"cuda:<index>"`` or ``"auto"`` (CUDA when available). Replies are always checked and written
@@ -338,6 +348,8 @@ class RobustStrategy(Strategy):
         server_optimizer: str = "fedavg",
         server_lr: float = 1.0,
         server_optimizer_params: Mapping[str, float] | None = None,
+        server_lr_schedule: str | Callable[[int, int], float] = "constant",
+        server_lr_min_ratio: float = 0.0,
         aggregation_device: str = "cpu",
         max_update_norm: float | None = None,
         max_num_examples: int = 1_000_000,
@@ -389,6 +401,11 @@ class RobustStrategy(Strategy):
             _check(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
         _check(server_optimizer in SERVER_OPTIMIZERS,
                f"unknown server_optimizer {server_optimizer!r}; valid choices: {list(SERVER_OPTIMIZERS)}")
+        _check(callable(server_lr_schedule) or server_lr_schedule in LR_SCHEDULES,
+               f"unknown server_lr_schedule {server_lr_schedule!r}; valid choices: {list(LR_SCHEDULES)} "
+               "or a function (server_round, num_rounds) -> factor")
+        _check(isinstance(server_lr_min_ratio, int | float) and 0 <= server_lr_min_ratio <= 1,
+               f"server_lr_min_ratio must be in [0, 1], got {server_lr_min_ratio!r}")
         _check(max_update_norm is None or max_update_norm > 0,
                f"max_update_norm must be > 0 (None: no bound), got {max_update_norm!r}")
         _check(round_deadline is None or round_deadline > 0, f"round_deadline must be > 0 s, got {round_deadline!r}")
@@ -454,6 +471,8 @@ class RobustStrategy(Strategy):
         self.weight_by_num_examples = weight_by_num_examples
         self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, **dict(server_optimizer_params or {}))
         self.server_lr = server_lr
+        self.server_lr_schedule = server_lr_schedule
+        self.server_lr_min_ratio = float(server_lr_min_ratio)
         try:
             self.aggregation_device = pick_device(aggregation_device)
         except ValueError as err:
@@ -972,6 +991,17 @@ class RobustStrategy(Strategy):
             self.liveness.record_rejection(node_id, server_round, rejection.reason)
 
     # ------------------------------------------------------------------ state
+    def round_lr(self, server_round: int, num_rounds: int) -> float:
+        """The server lr of round ``server_round`` of ``num_rounds`` by the schedule (before any rollback)."""
+        schedule = self.server_lr_schedule
+        if callable(schedule):
+            factor = float(schedule(server_round, num_rounds))
+            if not (math.isfinite(factor) and factor > 0):
+                raise ValueError(f"server_lr_schedule returned {factor!r} for round {server_round}: must be > 0")
+        else:
+            factor = lr_factor(schedule, server_round, num_rounds, self.server_lr_min_ratio)
+        return self.server_lr * factor
+
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Server optimizer, aggregator, liveness and key-pin state, for checkpoints."""
         opt_tensors, opt_meta = self.optimizer.state_dict()

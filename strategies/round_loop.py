@@ -113,7 +113,6 @@ class RoundLoop:
             initial = self.evaluate_fn(0, arrays)
             if initial is not None:
                 self.result.evaluate_metrics_serverapp[0] = initial
-        s.optimizer.lr = s.server_lr * self.guard.lr_scale
         self.result.arrays = arrays
         try:
             if first_round <= self.num_rounds:
@@ -161,6 +160,8 @@ class RoundLoop:
                 server_round, _copy_state(s.state_dict()), capture_rng_state(), dict(self.client_states)
             )
             before = (arrays, self._round_start.strategy_state)
+            # Set every round (the schedule's), and again for a round retried after a rollback.
+            s.optimizer.lr = s.round_lr(server_round, self.num_rounds) * self.guard.lr_scale
             row, new_arrays = self._train_round(arrays, server_round)
             row.update(self._evaluate(server_round, new_arrays))
             if s.stop_requested and (row["dropped"] or row["client_errors"] or self._evaluation_incomplete):
@@ -184,6 +185,7 @@ class RoundLoop:
             if isinstance(row.get("loss"), float) and math.isfinite(row["loss"]):
                 self.guard.best_loss = min(self.guard.best_loss, row["loss"])
             row["rollbacks"] = self.guard.rollbacks
+            row["server_lr"] = s.optimizer.lr  # the lr this round's step used
             row["liveness"] = s.liveness.snapshot()
             # The adaptive interval weighs a checkpoint's blocking time against the round time without it.
             self.checkpointer.observe_round(time.perf_counter() - round_started)
@@ -392,7 +394,7 @@ class RoundLoop:
         s = self.strategy
         self.guard.rollbacks += 1
         self.guard.lr_scale *= s.lr_decay
-        s.optimizer.lr = s.server_lr * self.guard.lr_scale
+        s.optimizer.lr = s.round_lr(server_round, self.num_rounds) * self.guard.lr_scale
         self.metrics.say(
             f"round {server_round} diverged (loss {row.get('loss', float('nan')):.4g}, "
             f"best {self.guard.best_loss:.4g}): "

@@ -90,6 +90,17 @@ def test_incremental_checkpoints_resume_from_a_delta_to_identical_bytes(
     assert _final_bytes(resumed) == uninterrupted_4_rounds
 
 
+def test_strategy_refuses_an_unknown_server_lr_schedule_naming_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown server_lr_schedule 'step'; valid choices: \['constant', 'cosine'\]"):
+        RobustStrategy(server_lr_schedule="step")
+    with pytest.raises(ValueError, match=r"server_lr_min_ratio must be in \[0, 1\], got -0.5"):
+        RobustStrategy(server_lr_schedule="cosine", server_lr_min_ratio=-0.5)
+    # A function of (round, num_rounds), as LambdaLR's lr_lambda: its factor multiplies server_lr.
+    assert RobustStrategy(server_lr=0.5, server_lr_schedule=lambda r, n: 1 / r).round_lr(4, 10) == 0.125
+    with pytest.raises(ValueError, match="server_lr_schedule returned 0.0 for round 3: must be > 0"):
+        RobustStrategy(server_lr_schedule=lambda r, n: 0.0).round_lr(3, 10)
+
+
 def test_a_resumed_run_sends_the_model_in_its_own_key_order(tmp_path: Path) -> None:
     """The checkpoint gives its tensors back in safetensors' order; the key order is the layout of the
     update rows, so a resumed run in another order summed each coordinate's values at another position

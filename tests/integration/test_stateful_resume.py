@@ -108,3 +108,24 @@ def test_stateful_clients_resume_in_process_to_identical_bytes(tmp_path: Path) -
         )
     run_inprocess(lost, tmp_path / "lost", client_app=_client(lost, 3, _forget))  # as a restarted simulation's nodes
     assert _final(tmp_path / "lost") != expected
+
+
+def test_a_cosine_server_lr_falls_every_round_and_a_stopped_run_resumes_on_its_schedule(tmp_path: Path) -> None:
+    """The schedule is a function of the round and the run's length: a run stopped after round 2 and
+    resumed takes the uninterrupted run's lr in rounds 3 and 4, and ends with its bytes."""
+    schedule = {"server_optimizer.schedule": "cosine", "server_optimizer.min_lr_ratio": 0.5, "num_rounds": 4}
+    whole = small_config(tmp_path, output_dir=str(tmp_path / "whole"), **schedule)
+    rows = run_inprocess(whole, tmp_path / "whole")
+    assert [r["server_lr"] for r in rows] == pytest.approx(
+        [1.0, 0.5 + 0.25 * (1 + 2**-0.5), 0.75, 0.5 + 0.25 * (1 - 2**-0.5)]
+    )
+    stored = {"checkpoint.dir": str(tmp_path / "c")}
+    cfg = small_config(tmp_path, output_dir=str(tmp_path / "run"), **schedule, **stored)
+    strategies: list = []
+    with pytest.raises(Preempted):
+        run_inprocess(
+            cfg, tmp_path / "run", client_app=_stopping_client(cfg, strategies, 2), on_strategy=strategies.append
+        )
+    resumed = run_inprocess(cfg, tmp_path / "run")
+    assert [r["server_lr"] for r in resumed] == pytest.approx([r["server_lr"] for r in rows])
+    assert _final(tmp_path / "run") == _final(tmp_path / "whole")

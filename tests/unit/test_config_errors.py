@@ -85,6 +85,8 @@ WRONG: dict[str, Wrong] = {
     "server_optimizer.beta_1": Wrong("-0.1", "-0.1", "must be in [0, 1)"),
     "server_optimizer.beta_2": Wrong("1.5", "1.5", "must be in [0, 1)"),
     "server_optimizer.tau": Wrong("0.0", "0.0", "must be > 0"),
+    "server_optimizer.schedule": Wrong("linear", "linear", "unknown choice; valid choices: constant, cosine"),
+    "server_optimizer.min_lr_ratio": Wrong("1.5", "1.5", "must be in [0, 1]"),
     "client.local_epochs": Wrong("0", "0", "must be >= 1"),
     "client.batch_size": Wrong("0", "0", "must be >= 1"),
     "client.lr": Wrong("-0.1", "-0.1", "must be > 0"),

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fedrobust.server_optim import NAMES, ServerOptimizer
+from fedrobust.server_optim import NAMES, ServerOptimizer, lr_factor
 from fedrobust.tensors import flatten, float_keys, unflatten
 from fedrobust.validation import check_update
 
@@ -126,3 +126,21 @@ def test_loading_state_of_another_optimizer_is_refused() -> None:
     tensors, meta = ServerOptimizer("fedadam").state_dict()
     with pytest.raises(ValueError, match="fedadam"):
         ServerOptimizer("fedyogi").load_state_dict(tensors, meta)
+
+
+def test_cosine_schedule_starts_at_the_lr_and_falls_towards_its_floor() -> None:
+    factors = [lr_factor("cosine", r, 10, 0.5) for r in range(1, 11)]
+    assert factors[0] == 1.0 and all(a > b for a, b in zip(factors, factors[1:], strict=False))
+    assert factors[5] == pytest.approx(0.75)  # halfway through: halfway to the floor
+    assert factors[-1] == pytest.approx(0.5 + 0.25 * (1 + math.cos(math.pi * 0.9)))
+    assert lr_factor("constant", 7, 10, 0.5) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("schedule", "ratio", "match"),
+    [("linear", 0.0, r"unknown server lr schedule 'linear'; valid choices: \['constant', 'cosine'\]"),
+     ("cosine", 1.5, r"min_ratio must be in \[0, 1\], got 1.5")],
+)
+def test_a_wrong_schedule_names_the_valid_ones(schedule: str, ratio: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        lr_factor(schedule, 1, 10, ratio)
