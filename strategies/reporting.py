@@ -103,7 +103,9 @@ def node_lines(row: dict[str, Any]) -> list[str]:
         f"    rejected: {_node(e)}: {e['reason']} ({e.get('detail', '')})" for e in row.get("rejected_nodes", [])
     ]
     lines += [f"    dropped: {_node(e)}" for e in row.get("dropped_nodes", [])]
-    lines += [f"    filtered: {_node(e)}" for e in row.get("filtered_nodes", [])]
+    lines += [
+        f"    filtered: {_node(e)}" + (f" by {e['by']}" if e.get("by") else "") for e in row.get("filtered_nodes", [])
+    ]
     if row.get("excluded_nodes"):
         lines.append(f"    excluded by the rule: {', '.join(_node(e) for e in row['excluded_nodes'])}")
     lines += [f"    client error x{n}: {message}" for message, n in row.get("client_errors", {}).items()]

@@ -75,6 +75,7 @@ class RoundOutcome:
     rejected_nodes: list[dict[str, Any]] = field(default_factory=list)  # {"node", "partition", "reason", "detail"}
     dropped: list[int] = field(default_factory=list)  # node ids: error replies or missed deadline
     filtered: list[int] = field(default_factory=list)  # node ids: accepted, then left out by a pre-aggregator
+    filtered_by: dict[int, str] = field(default_factory=dict)  # node id -> the filter that left it out
     excluded: list[int] = field(default_factory=list)  # node ids: accepted, given no weight by the rule
     client_errors: Counter[str] = field(default_factory=Counter)  # error message -> replies
     f_used: int = 0
@@ -709,6 +710,7 @@ class RobustStrategy(Strategy):
         rows = matrix.rows().to(device, non_blocking=True)
         aggregate = self._call_rule(rule, rows, weights, self._client_ids(outcome.accepted)).to("cpu")
         outcome.filtered = [outcome.accepted[i] for i in getattr(rule, "last_filtered", ())]
+        outcome.filtered_by = {outcome.accepted[i]: by for i, by in getattr(rule, "last_filtered_by", {}).items()}
         outcome.excluded = [outcome.accepted[i] for i in getattr(rule, "last_excluded", ())]
         if self._step_out is None or self._step_out.shape != (matrix.dim,):
             self._step_out = torch.empty(matrix.dim, dtype=torch.float32)

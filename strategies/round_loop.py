@@ -334,7 +334,10 @@ class RoundLoop:
             "dropped": len(outcome.dropped),
             "dropped_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.dropped)],
             "filtered": len(outcome.filtered),
-            "filtered_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.filtered)],
+            "filtered_nodes": [
+                {"node": n, "partition": s.partitions.get(n), "by": outcome.filtered_by.get(n)}
+                for n in sorted(outcome.filtered)
+            ],
             "excluded": len(outcome.excluded),
             "excluded_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.excluded)],
             "client_errors": dict(outcome.client_errors),

@@ -40,8 +40,11 @@ class Aggregator:
     needs_server_update : bool
         Whether each call needs :meth:`set_server_update` first (``fltrust``).
     last_filtered : tuple of int
-        The input rows the pre-aggregators of the last call dropped (the direction filter's), ascending.
-        Only drops before any stage that mixes rows count: after one, a row no longer stands for one input.
+        The input rows the pre-aggregators of the last call dropped (its filters'), ascending. Only drops
+        before any stage that mixes rows count: after one, a row no longer stands for one input.
+    last_filtered_by : dict of int to str
+        For each row of ``last_filtered``, the name of the filter that dropped it (``consistency``,
+        ``direction``, ``dedup``, ``dnc``).
     last_excluded : tuple of int
         The input rows the rule of the last call gave no weight (rules that select rows, such as Krum,
         Multi-Krum, Bulyan, DnC or SignGuard), ascending; disjoint from ``last_filtered``. Empty after a
@@ -57,6 +60,7 @@ class Aggregator:
         self.needs_server_update = rule.needs_server_update
         self.label = rule.name if not self.pre else f"{rule.name} (after {', '.join(p.name for p in self.pre)})"
         self.last_filtered: tuple[int, ...] = ()
+        self.last_filtered_by: dict[int, str] = {}
         self.last_excluded: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
@@ -141,6 +145,7 @@ class Aggregator:
         )
         rows = Rows(basis)
         self.last_filtered = ()
+        self.last_filtered_by = {}
         self.last_excluded = ()
         self.rule.last_excluded = ()
         rows_are_inputs = True  # until a stage mixes rows (or writes new ones), each row is one input row
@@ -158,6 +163,8 @@ class Aggregator:
             if rows_are_inputs and rows.index is not None:
                 kept = set(rows.index.tolist())
                 self.last_filtered = tuple(i for i in range(n) if i not in kept)
+                for i in self.last_filtered:
+                    self.last_filtered_by.setdefault(i, stage.name)
         out = self.rule.aggregate(rows, row_weights)
         for stage in self.pre:
             stage.observe(out)

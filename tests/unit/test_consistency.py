@@ -115,3 +115,14 @@ def test_a_state_of_the_wrong_shape_is_refused() -> None:
     state["pre.0.clients"] = state["pre.0.clients"][:-1]
     with pytest.raises(ValueError, match="consistency: state has 11 clients"):
         consistency().load_state_dict(state)
+
+
+def test_the_pipeline_names_the_filter_that_left_each_row_out() -> None:
+    """The sleepers fall to the consistency filter; a reply the direction filter drops is named by it."""
+    agg = aggregators.build("mean", f=F, pre=["consistency", {"name": "direction", "memory": False}])
+    for r in range(TURN + 1):
+        x = round_rows(r)
+        if r == TURN:
+            x[5] = -2.0 * x[:5].mean(0)  # no record to turn against, but pushes against the others
+        agg(x, clients=CLIENTS if r < TURN else CLIENTS[:5] + [9999] + CLIENTS[6:])
+    assert agg.last_filtered_by == {2: "consistency", 7: "consistency", 5: "direction"}

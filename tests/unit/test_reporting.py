@@ -56,10 +56,11 @@ def test_the_progress_line_and_summary_name_the_replies_the_pipeline_filtered() 
 
     row = {
         "round": 2, "accepted": 20, "rejected": {}, "dropped": 0, "filtered": 2, "seconds_train": 0.5,
-        "seconds_aggregate": 0.01, "filtered_nodes": [{"node": 7, "partition": 3}, {"node": 9, "partition": None}],
+        "seconds_aggregate": 0.01,
+        "filtered_nodes": [{"node": 7, "partition": 3, "by": "consistency"}, {"node": 9, "partition": None}],
     }
     assert "dropped  0  filtered  2  train" in progress_line(row, 5)
-    assert node_lines(row) == ["    filtered: node 7 (partition 3)", "    filtered: node 9"]
+    assert node_lines(row) == ["    filtered: node 7 (partition 3) by consistency", "    filtered: node 9"]
     assert "dropped 0, filtered 2" in summary_text([row], 1.0)
     quiet = {**row, "filtered": 0, "filtered_nodes": []}
     assert "filtered" not in progress_line(quiet, 5) and "filtered" not in summary_text([quiet], 1.0)
