@@ -91,7 +91,14 @@ class ConsistencyFilter(RowFilter):
             return torch.empty(0, dtype=torch.int64)
         if len(clients) != rows.m:
             raise ValueError(f"{self.name}: {len(clients)} clients given for {rows.m} rows")
-        units = rows.columns(self.sample(rows.d).to(rows.device)).cpu().to(torch.float64)
+        sample = self.sample(rows.d)
+        width = next((t.numel() for t in self.directions.values()), sample.numel())
+        if width != sample.numel():
+            raise ValueError(
+                f"{self.name}: the clients' directions have {width} coordinates, but coordinates={self.coordinates} "
+                f"samples {sample.numel()} of this model's {rows.d}: resume with the state's coordinates"
+            )
+        units = rows.columns(sample.to(rows.device)).cpu().to(torch.float64)
         units = units / units.norm(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
         known = [i for i, c in enumerate(clients) if c in self.directions]
         cosines = torch.full((rows.m,), float("nan"), dtype=torch.float64)

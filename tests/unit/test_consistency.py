@@ -126,3 +126,12 @@ def test_the_pipeline_names_the_filter_that_left_each_row_out() -> None:
             x[5] = -2.0 * x[:5].mean(0)  # no record to turn against, but pushes against the others
         agg(x, clients=CLIENTS if r < TURN else CLIENTS[:5] + [9999] + CLIENTS[6:])
     assert agg.last_filtered_by == {2: "consistency", 7: "consistency", 5: "direction"}
+
+
+def test_a_state_made_with_other_coordinates_is_refused_by_name() -> None:
+    agg = consistency(coordinates=64)
+    agg(round_rows(0), clients=CLIENTS)
+    resumed = consistency(coordinates=128)
+    resumed.load_state_dict(agg.state_dict())
+    with pytest.raises(ValueError, match="directions have 64 coordinates, but coordinates=128 samples 128"):
+        resumed(round_rows(1), clients=CLIENTS)
