@@ -58,6 +58,13 @@ class SignFlip(Attack):
         The first round that flips (server rounds count from 1, so 0 and 1 flip from the start);
         before it the client sends its honest update: a sleeper that first builds a record of pulling
         with the others (against defenses that remember clients).
+    turn_rounds : int, default 1
+        Over how many rounds from ``start_round`` the reply turns from the honest update to its
+        reverse, by an equal angle each round (then stays reversed): a sleeper that turns slowly, so that
+        no reply points against the client's recent ones (against the ``consistency`` filter). It turns
+        in the plane of the update and the update read backwards (its coordinates in reverse order, made
+        orthogonal to it): a direction of the client's own that stays much the same from round to round,
+        so the turn goes on in one plane. 1: the plain flip.
 
     References
     ----------
@@ -68,17 +75,45 @@ class SignFlip(Attack):
     name: ClassVar[str] = "sign_flip"
     scale: float = 1.0
     start_round: int = 0
+    turn_rounds: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scale", check_real(self.name, "scale", self.scale, low=0.0))
         check_int(self.name, "start_round", self.start_round, low=0)
+        check_int(self.name, "turn_rounds", self.turn_rounds, low=1)
 
     def poison_update(
         self, update: dict[str, Tensor], *, round: int, generator: torch.Generator
     ) -> dict[str, Tensor]:
         if round < self.start_round:
             return update
-        return map_floating(update, lambda t: t * -self.scale)
+        step = max(round - max(self.start_round, 1) + 1, 1)  # rounds 0 and 1 are both a run's first
+        if step >= self.turn_rounds:
+            return map_floating(update, lambda t: t * -self.scale)
+        return _turned(update, math.pi * step / self.turn_rounds, self.scale)
+
+
+def _turned(update: dict[str, Tensor], angle: float, scale: float) -> dict[str, Tensor]:
+    """The update turned by ``angle`` towards its reverse, in the plane of the update and the update read
+    backwards (made orthogonal to it), at ``scale`` times its norm."""
+    keys = [k for k, t in update.items() if t.is_floating_point()]
+    if not keys:
+        return update
+    flat = torch.cat([update[k].detach().reshape(-1).to(torch.float64) for k in keys])
+    norm = flat.norm()
+    if norm == 0:
+        return update
+    along = flat / norm
+    across = flat.flip(0)
+    across = across - (across @ along) * along
+    across = across / across.norm().clamp(min=torch.finfo(torch.float64).tiny)
+    turned = scale * norm * (math.cos(angle) * along + math.sin(angle) * across)
+    out, start = dict(update), 0
+    for k in keys:
+        t = update[k]
+        out[k] = turned[start : start + t.numel()].reshape(t.shape).to(t.dtype)
+        start += t.numel()
+    return out
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("mimic", {"target": 2}),
     ("mimic", {"noise": 0.5}),
     ("sign_flip", {"start_round": 2}),
+    ("sign_flip", {"start_round": 2, "turn_rounds": 3}),
     ("min_max", {"perturbation": "unit_vec"}),
     ("min_sum", {"perturbation": "sign"}),
     ("fang_trimmed_mean", {"b": 4.0}),
@@ -59,7 +60,8 @@ CLIENT_CONFIGS = [(name, params) for name, params in CONFIGS if name in CLIENT]
 
 # One invalid value per parameter of every attack (a test checks that none is missing).
 INVALID: dict[str, list[tuple[str, object]]] = {
-    "sign_flip": [("scale", 0.0), ("scale", -1.0), ("scale", True), ("start_round", -1), ("start_round", 2.0)],
+    "sign_flip": [("scale", 0.0), ("scale", -1.0), ("scale", True), ("start_round", -1), ("start_round", 2.0),
+                  ("turn_rounds", 0)],
     "scaled": [("factor", math.nan), ("factor", -2.0)],
     "gaussian": [("std", -1.0), ("std", math.inf), ("std", "1")],
     "random": [("scale", 0)],
@@ -445,6 +447,25 @@ def test_a_sleeper_sign_flip_is_honest_before_its_start_round() -> None:
     assert sleeper.poison_update(update, round=2, generator=gen()) is update
     flipped = sleeper.poison_update(update, round=3, generator=gen())
     assert all(torch.equal(flipped[key], -update[key]) for key in FLOAT_KEYS)
+
+
+def test_a_turning_sleeper_reverses_its_update_by_equal_angles_keeping_its_norm() -> None:
+    update = make_update(gen())
+    turning = attacks.build("sign_flip", start_round=3, turn_rounds=4, scale=2.0)
+
+    def flat(u: dict) -> torch.Tensor:
+        return torch.cat([u[key].double().reshape(-1) for key in FLOAT_KEYS])
+
+    honest = flat(update)
+    assert turning.poison_update(update, round=2, generator=gen()) is update
+    sent = [flat(turning.poison_update(update, round=r, generator=gen())) for r in range(3, 8)]
+    cosines = [float(torch.nn.functional.cosine_similarity(s, honest, dim=0)) for s in sent]
+    assert cosines == pytest.approx([math.cos(math.pi * k / 4) for k in (1, 2, 3)] + [-1.0, -1.0], abs=1e-3)
+    # Each reply is one quarter-turn step from the last, in one plane, at twice the honest norm.
+    steps = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in zip(sent, sent[1:3], strict=False)]
+    assert steps == pytest.approx([math.cos(math.pi / 4)] * 2, abs=1e-3)
+    assert [float(s.norm() / honest.norm()) for s in sent] == pytest.approx([2.0] * 5, rel=1e-3)
+    assert all(turning.poison_update(update, round=3, generator=gen())[k].dtype == update[k].dtype for k in update)
 
 
 def test_scaling_attacks_are_exact() -> None:
