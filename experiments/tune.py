@@ -33,18 +33,22 @@ from fedrobust.config import AggregatorConfig
 
 # Everything built that validation alone cannot reject (as the default was chosen, docs/results.md), plus
 # attacks at settings of their own, each run as a sweep of its own: sign flip at scale 4, mimic with its
-# copies spread apart (hidden from the duplicate filter) by half and by one typical honest distance, and a
-# sleeper that flips signs only from round 10 on (after the direction filter's memory trusts it).
+# copies spread apart (hidden from the duplicate filter) by half and by one typical honest distance, a
+# sleeper that flips signs only from round 10 on (after the direction filter's memory trusts it), and one
+# that turns slowly.
 ATTACKS = (
     "label_flip", "backdoor", "sign_flip", "mimic", "min_max", "min_sum", "fang_krum", "fang_trimmed_mean",
     "optimal_alie", "optimal_ipm",
 )
-# (sweep name, attack, override); the attack files declare no such params: "+" adds them.
+# (sweep name, attack, overrides separated by spaces); the attack files declare no such params: "+" adds
+# them. The last is a sleeper that turns by 30 degrees a round from round 4 (the consistency filter's
+# adaptive attack).
 VARIANTS = (
     ("sign_flip_x4", "sign_flip", "+attack.params.scale=4.0"),
     ("mimic_noise_0.5", "mimic", "+attack.params.noise=0.5"),
     ("mimic_noise_1", "mimic", "+attack.params.noise=1.0"),
     ("sign_flip_start_10", "sign_flip", "+attack.params.start_round=10"),
+    ("sign_flip_turn_6", "sign_flip", "+attack.params.start_round=4 +attack.params.turn_rounds=6"),
 )
 BASE = "base"
 
@@ -114,7 +118,9 @@ def run_setting(
         study.run_study(rules=["mean"], attacks=["none"], extra=shared, out=main, **study_args)
     study.run_study(rules=[rule], attacks=list(ATTACKS), extra=extra, out=main, **study_args)
     for variant, attack, override in VARIANTS:
-        study.run_study(rules=[rule], attacks=[attack], extra=[*extra, override], out=variants[variant], **study_args)
+        study.run_study(
+            rules=[rule], attacks=[attack], extra=[*extra, *override.split()], out=variants[variant], **study_args
+        )
 
 
 def selection_runs(
@@ -132,7 +138,7 @@ def selection_runs(
         main, variants = sweep_dirs(out, name)
         results = study.load_results(main)
         for variant, attack, override in VARIANTS:
-            label = worst_case.label(attack, [override])
+            label = worst_case.label(attack, override.split())
             results += [r | {"attack": label} for r in study.load_results(variants[variant])]
         results = [r for r in results if seeds is None or r["seed"] in seeds]
         for (partition, r, attack), cell in worst_case.cells(results).items():
