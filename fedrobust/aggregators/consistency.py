@@ -39,9 +39,14 @@ class ConsistencyFilter(RowFilter):
     tests each update against one predicted from the client's history, but with a plain running mean.
 
     Needs the rows' clients (``RobustStrategy`` gives them); without them each call drops nothing. At
-    most ``f`` rows are dropped and at least ``2f + 1`` kept, lowest cosine first. An attacker that
-    turns by small steps, a little each round, is not caught; reversing its update then takes it as
-    many rounds as the steps it needs.
+    most ``f`` rows are dropped and at least ``2f + 1`` kept, lowest cosine first.
+
+    An attacker that turns by small steps, a little each round, stays close to a direction that
+    follows it. So each client has a second, slower direction too (``slow_decay``), which remembers
+    where it started: the turn is caught once it passes a right angle from there. A row is dropped
+    when it fails the test against either direction. One slow direction alone would not do: an
+    attacker that copies another honest client each round (mimic) averages many clients' directions
+    there, and only the fast one, which follows its last copy, sees the next copy turn.
 
     Parameters
     ----------
@@ -55,19 +60,41 @@ class ConsistencyFilter(RowFilter):
     coordinates : int, default 8192
         How many coordinates (sampled once, with a fixed seed) the directions are kept on; all of them
         for a smaller model. State: this many float32 values per client.
+    slow_decay : float or None, default 0.97
+        In ``(decay, 1)``: the decay of each client's second, slower direction (chosen on validation
+        data, docs/results/default_choice.md). ``None``: the fast direction alone. State: as many float32
+        values again per client.
     """
 
     name = "consistency"
     uses_clients = True
 
-    def __init__(self, f: int = 0, *, z: float = 3.0, decay: float = 0.7, coordinates: int = 8192) -> None:
+    def __init__(
+        self,
+        f: int = 0,
+        *,
+        z: float = 3.0,
+        decay: float = 0.7,
+        coordinates: int = 8192,
+        slow_decay: float | None = 0.97,
+    ) -> None:
         super().__init__(f)
         self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
         self.decay = check_float(self.name, "decay", decay, minimum=0.0, inclusive=True, maximum=1.0)
         if self.decay == 1.0:
             raise ValueError(f"{self.name}: parameter decay must be < 1, got {decay!r}")
         self.coordinates = check_int(self.name, "coordinates", coordinates, minimum=1)
+        if slow_decay is not None:
+            ok = isinstance(slow_decay, (int, float)) and not isinstance(slow_decay, bool)
+            if not (ok and self.decay < slow_decay < 1.0):
+                raise ValueError(
+                    f"{self.name}: parameter slow_decay must be null (one direction) or a number between decay "
+                    f"({self.decay}) and 1, both excluded, got {slow_decay!r}"
+                )
+            slow_decay = float(slow_decay)
+        self.slow_decay = slow_decay
         self.directions: dict[int, Tensor] = {}
+        self.slow_directions: dict[int, Tensor] = {}
         self.clients: list[int] | None = None
         self._sample: tuple[int, Tensor] | None = None
 
@@ -100,43 +127,74 @@ class ConsistencyFilter(RowFilter):
             )
         units = rows.columns(sample.to(rows.device)).cpu().to(torch.float64)
         units = units / units.norm(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float64).tiny)
-        known = [i for i, c in enumerate(clients) if c in self.directions]
-        cosines = torch.full((rows.m,), float("nan"), dtype=torch.float64)
+        cosines, turned = self._turned(self.directions, clients, units)
+        if self.slow_decay is not None:
+            slow_cosines, slow_turned = self._turned(self.slow_directions, clients, units)
+            cosines = torch.fmin(cosines, slow_cosines)
+            turned |= slow_turned
+        self._follow(self.directions, self.decay, clients, units, turned)
+        if self.slow_decay is not None:
+            self._follow(self.slow_directions, self.slow_decay, clients, units, turned)
+        flagged = torch.nonzero(turned).flatten()
+        order = torch.sort(cosines[flagged], stable=True).indices
+        return flagged[order][: max(budget, 0)].to(rows.device)
+
+    def _turned(self, directions: dict[int, Tensor], clients: Sequence[int], units: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's cosine with its client's direction (NaN for a new client), and which rows turned."""
+        known = [i for i, c in enumerate(clients) if c in directions]
+        cosines = torch.full((len(clients),), float("nan"), dtype=torch.float64)
         for i in known:
-            past = self.directions[clients[i]].to(torch.float64)
+            past = directions[clients[i]].to(torch.float64)
             cosines[i] = (units[i] * past).sum() / past.norm().clamp(min=torch.finfo(torch.float64).tiny)
-        turned = torch.zeros(rows.m, dtype=torch.bool)
+        turned = torch.zeros(len(clients), dtype=torch.bool)
         if len(known) >= 3:
             scores = cosines[known]
             center, spread = center_and_spread(scores)
             turned[known] = (scores <= 0) & (scores < center - self.z * spread)
+        return cosines, turned
+
+    @staticmethod
+    def _follow(
+        directions: dict[int, Tensor], decay: float, clients: Sequence[int], units: Tensor, turned: Tensor
+    ) -> None:
+        """Move each accepted client's direction towards its reply; a turned row leaves it as it was."""
         for i, client in enumerate(clients):
             if not turned[i]:
-                fresh = (1.0 - self.decay) * units[i]
-                earlier = self.directions.get(client)
+                fresh = (1.0 - decay) * units[i]
+                earlier = directions.get(client)
                 if earlier is not None:
-                    fresh += self.decay * earlier.to(torch.float64)
-                self.directions[client] = fresh.to(torch.float32)
-        flagged = torch.nonzero(turned).flatten()
-        order = torch.sort(cosines[flagged], stable=True).indices
-        return flagged[order][: max(budget, 0)].to(rows.device)
+                    fresh += decay * earlier.to(torch.float64)
+                directions[client] = fresh.to(torch.float32)
+
+    def _keys(self) -> list[str]:
+        return ["clients", "directions"] + (["slow_directions"] if self.slow_decay is not None else [])
 
     def state_dict(self) -> dict[str, Tensor]:
         keys = sorted(self.directions)
         if not keys:
             return {}
-        return {"clients": signed_ids(keys), "directions": torch.stack([self.directions[k] for k in keys])}
+        state = {"clients": signed_ids(keys), "directions": torch.stack([self.directions[k] for k in keys])}
+        if self.slow_decay is not None:
+            state["slow_directions"] = torch.stack([self.slow_directions[k] for k in keys])
+        return state
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         if not state:
-            self.directions = {}
+            self.directions, self.slow_directions = {}, {}
             return
-        if set(state) != {"clients", "directions"}:
-            raise ValueError(f"{self.name}: state needs the keys ['clients', 'directions'], got {sorted(state)}")
-        directions = state["directions"]
-        if directions.dim() != 2 or directions.shape[0] != state["clients"].numel():
+        if set(state) != set(self._keys()):
+            saved_with = "slow_decay set" if "slow_directions" in state else "slow_decay=null"
             raise ValueError(
-                f"{self.name}: state has {state['clients'].numel()} clients and directions of shape "
-                f"{list(directions.shape)}"
+                f"{self.name}: state needs the keys {self._keys()}, got {sorted(state)} (a state saved with "
+                f"{saved_with} resumes with the same)"
             )
-        self.directions = dict(zip(client_ids(state["clients"]), directions.to(torch.float32), strict=True))
+        clients = client_ids(state["clients"])
+        for key in self._keys()[1:]:
+            directions = state[key]
+            if directions.dim() != 2 or directions.shape[0] != len(clients):
+                raise ValueError(
+                    f"{self.name}: state has {len(clients)} clients and {key} of shape {list(directions.shape)}"
+                )
+        self.directions = dict(zip(clients, state["directions"].to(torch.float32), strict=True))
+        if self.slow_decay is not None:
+            self.slow_directions = dict(zip(clients, state["slow_directions"].to(torch.float32), strict=True))

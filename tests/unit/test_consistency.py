@@ -5,6 +5,8 @@ non-IID data; every test runs the filter through the pipeline, over several call
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import Tensor
@@ -101,6 +103,10 @@ def test_a_reply_it_drops_does_not_move_the_clients_direction() -> None:
         ({"decay": -0.1}, "decay"),
         ({"coordinates": 0}, "coordinates must be an integer >= 1"),
         ({"z": -1.0}, "parameter z"),
+        ({"slow_decay": 0.5}, r"slow_decay must be null \(one direction\) or a number between decay \(0.7\) and 1"),
+        ({"decay": 0.98}, r"slow_decay must be null \(one direction\) or a number between decay \(0.98\) and 1"),
+        ({"slow_decay": 1.0}, r"slow_decay must be null \(one direction\) or a number between"),
+        ({"slow_decay": "0.9"}, r"slow_decay must be null \(one direction\) or a number between"),
     ],
 )
 def test_a_wrong_parameter_names_what_is_valid(params: dict[str, object], message: str) -> None:
@@ -135,3 +141,56 @@ def test_a_state_made_with_other_coordinates_is_refused_by_name() -> None:
     resumed.load_state_dict(agg.state_dict())
     with pytest.raises(ValueError, match="directions have 64 coordinates, but coordinates=128 samples 128"):
         resumed(round_rows(1), clients=CLIENTS)
+
+
+def turning_rows(r: int) -> Tensor:
+    """Round ``r``: as ``round_rows``, but the sleepers turn from their direction to its reverse by 30
+    degrees a round from round ``TURN`` on, through a direction orthogonal to it."""
+    x = round_rows(r, turned=False)
+    angle = math.pi * min(max(r - TURN + 1, 0), 6) / 6
+    g = torch.Generator().manual_seed(7)
+    for i in SLEEPERS:
+        own = client_directions()[i]
+        side = torch.randn(D, generator=g, dtype=torch.float64)
+        side -= (side @ own) / (own @ own) * own
+        side *= own.norm() / side.norm()
+        x[i] += (math.cos(angle) - 1.0) * own + math.sin(angle) * side
+    return x
+
+
+def test_a_client_that_turns_by_small_steps_is_caught_by_the_slow_direction_only() -> None:
+    """The fast direction alone follows the turn; the slow one (on by default) remembers the start."""
+    fast, both = consistency(slow_decay=None), consistency()
+    caught_fast, caught_both = set(), set()
+    for r in range(TURN + 8):
+        fast(turning_rows(r), clients=CLIENTS)
+        both(turning_rows(r), clients=CLIENTS)
+        assert set(fast.last_filtered) <= set(SLEEPERS) and set(both.last_filtered) <= set(SLEEPERS), r
+        caught_fast |= set(fast.last_filtered)
+        caught_both |= set(both.last_filtered)
+        if r >= TURN + 5:  # reversed since round TURN + 5: the slow direction still remembers them
+            assert both.last_filtered == SLEEPERS, r
+    assert caught_fast == set()
+    assert caught_both == set(SLEEPERS)
+
+
+def test_the_slow_direction_is_in_the_checkpoint() -> None:
+    running = consistency()
+    for r in range(TURN + 2):
+        running(turning_rows(r), clients=CLIENTS)
+    state = running.state_dict()
+    assert set(state) == {"pre.0.clients", "pre.0.directions", "pre.0.slow_directions"}
+    resumed = consistency()
+    resumed.load_state_dict(state)
+    for r in range(TURN + 2, TURN + 8):
+        torch.testing.assert_close(resumed(turning_rows(r), clients=CLIENTS), running(turning_rows(r), clients=CLIENTS))
+        assert resumed.last_filtered == running.last_filtered
+    with pytest.raises(ValueError, match="a state saved with slow_decay set resumes with the same"):
+        consistency(slow_decay=None).load_state_dict(state)
+
+
+def test_a_state_saved_without_the_slow_direction_is_refused_with_how_to_resume() -> None:
+    agg = consistency(slow_decay=None)
+    agg(round_rows(0), clients=CLIENTS)
+    with pytest.raises(ValueError, match="a state saved with slow_decay=null resumes with the same"):
+        consistency().load_state_dict(agg.state_dict())
