@@ -41,14 +41,15 @@ ATTACKS = (
     "optimal_alie", "optimal_ipm",
 )
 # (sweep name, attack, overrides separated by spaces); the attack files declare no such params: "+" adds
-# them. The last is a sleeper that turns by 30 degrees a round from round 4 (the consistency filter's
-# adaptive attack).
+# them. The last two are sleepers that turn, by 30 degrees a round from round 4 and by 15 from round 2
+# (the consistency filter's adaptive attacks: against its fast direction, and against a slow one).
 VARIANTS = (
     ("sign_flip_x4", "sign_flip", "+attack.params.scale=4.0"),
     ("mimic_noise_0.5", "mimic", "+attack.params.noise=0.5"),
     ("mimic_noise_1", "mimic", "+attack.params.noise=1.0"),
     ("sign_flip_start_10", "sign_flip", "+attack.params.start_round=10"),
     ("sign_flip_turn_6", "sign_flip", "+attack.params.start_round=4 +attack.params.turn_rounds=6"),
+    ("sign_flip_turn_12", "sign_flip", "+attack.params.start_round=2 +attack.params.turn_rounds=12"),
 )
 BASE = "base"
 

@@ -64,6 +64,12 @@ class ConsistencyFilter(RowFilter):
         In ``(decay, 1)``: the decay of each client's second, slower direction (chosen on validation
         data, docs/results/default_choice.md). ``None``: the fast direction alone. State: as many float32
         values again per client.
+    slow_anchor : bool, default True
+        Start a client's slow direction at its first accepted reply with full weight, as if the client
+        had sent it in every round before, so that it fades from there at ``slow_decay`` a round (an
+        anchor with a half-life of about 23 rounds at 0.97). ``False``: the first reply weighs what any
+        later one does, and the slow direction is a running mean that trails a steady turn by half its
+        angle, so a turn spread over the whole run never passes a right angle from it.
     """
 
     name = "consistency"
@@ -77,6 +83,7 @@ class ConsistencyFilter(RowFilter):
         decay: float = 0.7,
         coordinates: int = 8192,
         slow_decay: float | None = 0.97,
+        slow_anchor: bool = True,
     ) -> None:
         super().__init__(f)
         self.z = check_float(self.name, "z", z, minimum=0.0, inclusive=True)
@@ -93,6 +100,9 @@ class ConsistencyFilter(RowFilter):
                 )
             slow_decay = float(slow_decay)
         self.slow_decay = slow_decay
+        if not isinstance(slow_anchor, bool):
+            raise ValueError(f"{self.name}: parameter slow_anchor must be true or false, got {slow_anchor!r}")
+        self.slow_anchor = slow_anchor
         self.directions: dict[int, Tensor] = {}
         self.slow_directions: dict[int, Tensor] = {}
         self.clients: list[int] | None = None
@@ -134,7 +144,7 @@ class ConsistencyFilter(RowFilter):
             turned |= slow_turned
         self._follow(self.directions, self.decay, clients, units, turned)
         if self.slow_decay is not None:
-            self._follow(self.slow_directions, self.slow_decay, clients, units, turned)
+            self._follow(self.slow_directions, self.slow_decay, clients, units, turned, start_whole=self.slow_anchor)
         flagged = torch.nonzero(turned).flatten()
         order = torch.sort(cosines[flagged], stable=True).indices
         return flagged[order][: max(budget, 0)].to(rows.device)
@@ -155,15 +165,27 @@ class ConsistencyFilter(RowFilter):
 
     @staticmethod
     def _follow(
-        directions: dict[int, Tensor], decay: float, clients: Sequence[int], units: Tensor, turned: Tensor
+        directions: dict[int, Tensor],
+        decay: float,
+        clients: Sequence[int],
+        units: Tensor,
+        turned: Tensor,
+        *,
+        start_whole: bool = False,
     ) -> None:
-        """Move each accepted client's direction towards its reply; a turned row leaves it as it was."""
+        """Move each accepted client's direction towards its reply; a turned row leaves it as it was.
+
+        With ``start_whole`` a client's first accepted reply starts its direction with full weight, as
+        if the client had sent it in every round before; it then fades by ``decay`` a round like any
+        other. (Without it the first reply has the weight of any later one, ``1 - decay``.)
+        """
         for i, client in enumerate(clients):
             if not turned[i]:
-                fresh = (1.0 - decay) * units[i]
                 earlier = directions.get(client)
-                if earlier is not None:
-                    fresh += decay * earlier.to(torch.float64)
+                if earlier is None:
+                    fresh = units[i].clone() if start_whole else (1.0 - decay) * units[i]
+                else:
+                    fresh = (1.0 - decay) * units[i] + decay * earlier.to(torch.float64)
                 directions[client] = fresh.to(torch.float32)
 
     def _keys(self) -> list[str]:

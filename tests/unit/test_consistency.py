@@ -143,11 +143,11 @@ def test_a_state_made_with_other_coordinates_is_refused_by_name() -> None:
         resumed(round_rows(1), clients=CLIENTS)
 
 
-def turning_rows(r: int) -> Tensor:
-    """Round ``r``: as ``round_rows``, but the sleepers turn from their direction to its reverse by 30
-    degrees a round from round ``TURN`` on, through a direction orthogonal to it."""
+def turning_rows(r: int, start: int = TURN, steps: int = 6) -> Tensor:
+    """Round ``r``: as ``round_rows``, but the sleepers turn from their direction to its reverse in
+    ``steps`` equal steps from round ``start`` on, through a direction orthogonal to it."""
     x = round_rows(r, turned=False)
-    angle = math.pi * min(max(r - TURN + 1, 0), 6) / 6
+    angle = math.pi * min(max(r - start + 1, 0), steps) / steps
     g = torch.Generator().manual_seed(7)
     for i in SLEEPERS:
         own = client_directions()[i]
@@ -194,3 +194,18 @@ def test_a_state_saved_without_the_slow_direction_is_refused_with_how_to_resume(
     agg(round_rows(0), clients=CLIENTS)
     with pytest.raises(ValueError, match="a state saved with slow_decay=null resumes with the same"):
         consistency().load_state_dict(agg.state_dict())
+
+
+def test_a_turn_spread_over_the_whole_run_is_caught_early_by_the_anchored_slow_direction() -> None:
+    """From the second round on, by 18 degrees a round: a running mean of the client's replies trails
+    the turn by half its angle, and the filter sees nothing until the turn is complete; a slow direction
+    that starts at the first reply with full weight sees it once it is well past a right angle."""
+    anchored, running = consistency(slow_anchor=True), consistency(slow_anchor=False)
+    for r in range(12):
+        anchored(turning_rows(r, start=1, steps=10), clients=CLIENTS)
+        running(turning_rows(r, start=1, steps=10), clients=CLIENTS)
+        assert set(anchored.last_filtered) <= set(SLEEPERS), r
+        if r >= 6:  # turned by 108 degrees or more
+            assert anchored.last_filtered == SLEEPERS, r
+        if r < 10:  # not yet reversed
+            assert running.last_filtered == (), r
