@@ -183,7 +183,7 @@ class ConsistencyFilter(RowFilter):
             if not turned[i]:
                 earlier = directions.get(client)
                 if earlier is None:
-                    fresh = units[i].clone() if start_whole else (1.0 - decay) * units[i]
+                    fresh = units[i] if start_whole else (1.0 - decay) * units[i]
                 else:
                     fresh = (1.0 - decay) * units[i] + decay * earlier.to(torch.float64)
                 directions[client] = fresh.to(torch.float32)
