@@ -29,7 +29,7 @@ from fedrobust import aggregators
 from fedrobust.attacks.base import Attack, check_int, check_real
 from fedrobust.attacks.omniscient import _centre, _check_input, _repeat, alie_z
 
-__all__ = ["OptimalALIE", "OptimalIPM", "maximize_scale"]
+__all__ = ["OptimalALIE", "OptimalFang", "OptimalIPM", "maximize_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,3 +224,49 @@ class OptimalIPM(_Optimal):
 
     def _default(self, honest: Tensor, f: int) -> float:
         return 0.1
+
+
+@dataclass(frozen=True)
+class OptimalFang(_Optimal):
+    """Fang's attack on the trimmed mean with its reach tuned against ``rule``: ``mu + t * (e - mu)``,
+    ``t`` in ``[0, max_scale]``, that moves ``rule``'s output farthest.
+
+    ``e`` is the honest extreme opposite to each coordinate's changing direction, as in Fang's attack:
+    ``e_j`` is the smallest honest value of coordinate ``j`` where ``mean_j > 0`` and the largest
+    elsewhere. ``t = 1`` puts the Byzantine rows on that extreme, just inside every coordinate's honest
+    range, where clamping (``winsorize``) and trimming leave them as they are; ``t > 1`` goes beyond it,
+    as Fang's own attack does; ``t < 1`` stays closer to the mean, where a filter that scores whole rows
+    (``direction``, DnC) may let them through. ``t = 1`` is always a candidate, so the chosen ``t`` moves
+    the rule at least as far as rows on the extreme.
+
+    Parameters
+    ----------
+    rule : str, default "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
+        Registered aggregation rule, or ``+``-joined pipeline, the server is assumed to run.
+    rule_f : int or None, default None
+        The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
+    rule_params : dict, default {}
+        The rule's parameters.
+    max_scale : float, default 10.0
+        Largest ``t`` searched.
+    grid : int, default 11
+        Evenly spaced ``t`` values evaluated on ``[0, max_scale]`` (at least 2).
+    refine : int, default 8
+        Golden-section steps around the best grid value.
+
+    References
+    ----------
+    Fang, Cao, Jia, Gong. "Local Model Poisoning Attacks to Byzantine-Robust Federated Learning."
+    USENIX Security 2020 (the direction); Allouah et al. "Fixing by Mixing", AISTATS 2023 (tuning the
+    scale against the rule, as ByzFL's Optimal_ALIE / Optimal_IPM do).
+    """
+
+    name: ClassVar[str] = "optimal_fang"
+
+    def _line(self, honest: Tensor) -> tuple[Tensor, Tensor]:
+        mu = honest.mean(dim=0)
+        extreme = torch.where(mu > 0, honest.min(dim=0).values, honest.max(dim=0).values)
+        return mu, extreme - mu
+
+    def _default(self, honest: Tensor, f: int) -> float:
+        return 1.0

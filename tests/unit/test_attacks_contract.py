@@ -53,6 +53,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("fang_trimmed_mean", {"b": 4.0}),
     ("optimal_alie", {"rule": "krum", "grid": 5, "refine": 3}),
     ("optimal_ipm", {"rule": "centered_clipping", "rule_f": 2, "rule_params": {"tau": "auto"}}),
+    ("optimal_fang", {"rule": "median", "max_scale": 3.0, "grid": 4, "refine": 2}),
     ("backdoor", {"boost": 5.0, "value": 3.0, "target": 3}),
 ]
 CONFIGS = [(name, {}) for name in attacks.names()] + VARIANTS
@@ -87,6 +88,10 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "optimal_ipm": [
         ("rule", None), ("rule_f", 1.5), ("rule_params", [1]), ("max_scale", math.nan), ("grid", 2.0),
         ("refine", True),
+    ],
+    "optimal_fang": [
+        ("rule", "fltrust"), ("rule_f", -2), ("rule_params", None), ("max_scale", -1.0), ("grid", 0),
+        ("refine", 1.5),
     ],
 }
 
@@ -682,6 +687,43 @@ def test_optimal_ipm_against_the_mean_takes_the_largest_epsilon() -> None:
     honest = honest_rows(seed=3)
     row = attacks.build("optimal_ipm", rule="mean", max_scale=7.0).craft(honest, f=F, generator=gen())[0]
     torch.testing.assert_close(row, -7.0 * honest.mean(0))
+
+
+def _extreme(honest: Tensor) -> Tensor:
+    """Each coordinate's honest extreme opposite to the sign of its mean (Fang's direction)."""
+    return torch.where(honest.mean(0) > 0, honest.min(0).values, honest.max(0).values)
+
+
+@pytest.mark.parametrize(
+    "rule", ["trimmed_mean", "median", "dnc", "signguard", "clipped_clustering", "direction+winsorize+nnm+trimmed_mean"]
+)
+def test_optimal_fang_moves_the_rule_at_least_as_far_as_rows_on_the_extreme(rule: str) -> None:
+    honest = honest_rows(seed=5)
+    row = attacks.build("optimal_fang", rule=rule).craft(honest, f=F, generator=gen())[0].double()
+    mu, extreme = honest.double().mean(0), _extreme(honest).double()
+    # The row lies on the line from the mean through the extreme, at some t in [0, max_scale].
+    t = float((row - mu) @ (extreme - mu) / (extreme - mu).square().sum())
+    assert 0.0 <= t <= 10.0
+    torch.testing.assert_close(row, mu + t * (extreme - mu), rtol=0, atol=1e-5)
+    on_extreme = rule_shift(rule, F, honest, extreme.float().expand(F, -1))
+    assert rule_shift(rule, F, honest, row.float().expand(F, -1)) >= on_extreme * (1 - 1e-6)
+
+
+def test_optimal_fang_gains_nothing_beyond_the_extreme_that_winsorizing_clamps_to() -> None:
+    # Beyond the honest extreme, winsorizing clamps the rows back onto it: the best t is at least 1, and
+    # moves the rule exactly as far as rows on the extreme (up to the float rounding of mu + t (e - mu)).
+    honest = honest_rows(seed=6)
+    rule = "winsorize+trimmed_mean"
+    row = attacks.build("optimal_fang", rule=rule).craft(honest, f=F, generator=gen())[0]
+    mu, extreme = honest.mean(0), _extreme(honest)
+    assert float((row - mu) @ (extreme - mu) / (extreme - mu).square().sum()) >= 1 - 1e-6
+    farther = rule_shift(rule, F, honest, (mu + 3.0 * (extreme - mu)).expand(F, -1))
+    assert rule_shift(rule, F, honest, row.expand(F, -1)) == pytest.approx(farther, rel=1e-6)
+    assert rule_shift(rule, F, honest, extreme.expand(F, -1)) == pytest.approx(farther, rel=1e-6)
+    # Against the plain mean the shift only grows with t: the search ends at the top of the range.
+    row = attacks.build("optimal_fang", rule="mean", max_scale=4.0).craft(honest, f=F, generator=gen())[0]
+    mu = honest.mean(0)
+    torch.testing.assert_close(row, mu + 4.0 * (_extreme(honest) - mu), rtol=0, atol=1e-5)
 
 
 def test_optimal_search_refines_an_interior_maximum() -> None:
