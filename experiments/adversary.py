@@ -30,17 +30,16 @@ def omniscient_hook(cfg: RunConfig, observe: CraftObserver | None = None) -> Upd
         return None
     attack = attacks.build(cfg.attack.name, **cfg.attack.params)
 
-    def craft(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor) -> list[int]:
+    def craft(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor, clients: list[int]) -> list[int]:
         """Overwrite the Byzantine rows of ``rows`` in place; return their indices."""
         targets = torch.nonzero(byzantine).flatten().tolist()
         if not targets or len(targets) == rows.shape[0]:
             return []
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, server_round, -1))
-        # Boolean indexing copies the honest rows: the attack must not see its own rows change.
-        honest = rows[~byzantine]
-        crafted = attack.craft(honest, f=len(targets), generator=generator)
+        # The rows change only once the attack has returned (craft_round does not modify them).
+        crafted = attack.craft_round(rows, byzantine, clients, generator=generator)
         if observe is not None:
-            observe(server_round, honest, crafted)
+            observe(server_round, rows[~byzantine], crafted)
         rows[targets] = crafted.to(rows.dtype)
         return targets
 

@@ -101,13 +101,14 @@ class RoundOutcome:
         return MetricRecord({**counts, **self.train_metrics})
 
 
-# Sees the accepted updates of a round before they are aggregated: ``hook(round, rows, byzantine)`` with
-# ``rows`` the [n, d] float32 update matrix (writable, aggregation order, no copy) and ``byzantine`` an [n]
-# bool mask of the replies marked Byzantine (simulation only). It rewrites rows in place and returns the
-# indices it rewrote (None: any row may have changed); those rows are checked again (finiteness, norm
-# bound) and dropped when they fail. The simulation-only omniscient adversary of experiments/ uses it;
-# the strategy carries none by default.
-UpdateHook = Callable[[int, torch.Tensor, torch.Tensor], Sequence[int] | None]
+# Sees the accepted updates of a round before they are aggregated: ``hook(round, rows, byzantine, clients)``
+# with ``rows`` the [n, d] float32 update matrix (writable, aggregation order, no copy), ``byzantine`` an
+# [n] bool mask of the replies marked Byzantine (simulation only) and ``clients`` the id of each row's
+# client that the aggregator's memory keys on (its partition where known, else its node id). It rewrites
+# rows in place and returns the indices it rewrote (None: any row may have changed); those rows are
+# checked again (finiteness, norm bound) and dropped when they fail. The simulation-only omniscient
+# adversary of experiments/ uses it; the strategy carries none by default.
+UpdateHook = Callable[[int, torch.Tensor, torch.Tensor, list[int]], Sequence[int] | None]
 
 # The server's own update of a round, for rules that need one (FLTrust): ``fn(round, global_state)`` with
 # the global model the round's clients were sent (name -> tensor, not to be modified) returns the server's
@@ -959,7 +960,8 @@ class RobustStrategy(Strategy):
         """Let ``update_hook`` rewrite rows in place; check the rewritten rows again and drop those that fail."""
         assert self.update_hook is not None
         byzantine = torch.tensor([u.sim_byzantine for u in accepted], dtype=torch.bool)
-        rewritten = self.update_hook(server_round, matrix.rows(), byzantine)
+        clients = self._client_ids([u.node_id for u in accepted])
+        rewritten = self.update_hook(server_round, matrix.rows(), byzantine, clients)
         indices = range(len(accepted)) if rewritten is None else sorted({int(i) for i in rewritten})
         failed = []
         for index in indices:

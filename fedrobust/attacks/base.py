@@ -9,7 +9,7 @@ colluding adversary who sees every honest update of the round and crafts the Byz
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -121,6 +121,33 @@ class Attack:
             f"attack {self.name!r} is a client-side attack and cannot craft updates from the honest ones; "
             "call craft() only for attacks with omniscient=True"
         )
+
+    def craft_round(
+        self, rows: Tensor, byzantine: Tensor, clients: Sequence[int], *, generator: torch.Generator
+    ) -> Tensor:
+        """Craft the Byzantine rows of one round seen whole (omniscient attacks only).
+
+        What the simulation's adversary calls each round. An attack that follows the server across rounds
+        (its memory of clients) overrides it; the others craft from the honest rows alone (:meth:`craft`).
+
+        Parameters
+        ----------
+        rows : Tensor
+            ``[n, d]``: every accepted row of the round in the server's aggregation order, the Byzantine
+            ones as their clients computed them. Not modified.
+        byzantine : Tensor
+            ``[n]`` bool mask of the Byzantine rows (at least one, not all).
+        clients : sequence of int
+            The id of each row's client that the server's aggregator remembers clients by.
+        generator : torch.Generator
+            Source of every random draw.
+
+        Returns
+        -------
+        Tensor
+            ``[f, d]`` for the ``f`` Byzantine rows, in their order in ``rows``.
+        """
+        return self.craft(rows[~byzantine], f=int(byzantine.sum()), generator=generator)
 
 
 def map_floating(update: Mapping[str, Tensor], fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:

@@ -10,15 +10,18 @@ then contracting line search from 0; a fixed grid plus golden section gives the 
 with a bounded, predictable number of aggregations (``grid + 1 + refine``).
 
 The rule may be a pipeline (``winsorize+nnm+trimmed_mean``): the search then runs its pre-aggregators
-too, as the server does. Each evaluation builds the rule afresh with :func:`fedrobust.aggregators.build`,
-so a stateful rule (centered clipping's center, DnC's generator) starts from its initial state every time.
+too, as the server does. By default each evaluation builds the rule afresh with
+:func:`fedrobust.aggregators.build`, so a stateful rule (the filters' memory of each client, centered
+clipping's center, DnC's generator) starts from its initial state every time. With ``memory=True`` the
+attacker keeps a copy of the server's pipeline that it feeds every round's rows, and searches against the
+rule as the server will run it, memory included (:meth:`_Optimal.craft_round`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fedrobust import aggregators
-from fedrobust.attacks.base import Attack, check_int, check_real
+from fedrobust.attacks.base import Attack, _fail, check_int, check_real
 from fedrobust.attacks.omniscient import _centre, _check_input, _repeat, alie_z
 
 __all__ = ["OptimalALIE", "OptimalFang", "OptimalIPM", "maximize_scale"]
@@ -107,12 +110,20 @@ class _Optimal(Attack):
     max_scale: float = 10.0
     grid: int = 11
     refine: int = 8
+    memory: bool = False
+    # With ``memory``: the attacker's copy of the server's pipeline, per f, fed the same rows every round,
+    # and a second one to try candidates on.
+    _copies: dict[int, tuple[aggregators.Aggregator, aggregators.Aggregator]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         _check_rule(self.name, self.rule, self.rule_f, self.rule_params)
         object.__setattr__(self, "max_scale", check_real(self.name, "max_scale", self.max_scale, low=0.0))
         check_int(self.name, "grid", self.grid, low=2)
         check_int(self.name, "refine", self.refine, low=0)
+        if not isinstance(self.memory, bool):
+            raise _fail(self.name, "memory", "true or false", self.memory)
 
     def _line(self, honest: Tensor) -> tuple[Tensor, Tensor]:
         """``(base, direction)``: the Byzantine row at scale ``t`` is ``base + t * direction``."""
@@ -122,11 +133,8 @@ class _Optimal(Attack):
         """The attack's own default scale."""
         raise NotImplementedError
 
-    def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
-        _check_input(self.name, honest, f, min_h=2)
-        h, d = honest.shape
-        if f == 0:
-            return honest.new_empty((0, d))
+    def _rule_f(self, h: int, f: int) -> int:
+        """The rule's f for ``h`` honest and ``f`` Byzantine rows, once the rule is known to take them."""
         rule_f = f if self.rule_f is None else self.rule_f
         needed = aggregators.build(self.rule, f=rule_f, **self.rule_params).min_n()
         if h + f < needed:
@@ -134,12 +142,15 @@ class _Optimal(Attack):
                 f"attack {self.name!r}: rule {self.rule!r} with f={rule_f} needs n >= {needed} rows, "
                 f"got h={h} honest + f={f} Byzantine"
             )
+        return rule_f
+
+    def _search(self, honest: Tensor, f: int, aggregate: Callable[[Tensor], Tensor]) -> Tensor:
+        """The ``f`` rows on the attack's line whose ``aggregate(rows)`` lands farthest from the honest mean."""
         target = honest.mean(dim=0)
         base, direction = self._line(honest)
 
         def objective(scale: float) -> float:
-            rows = torch.cat([honest, _repeat(base + scale * direction, f)])
-            out = aggregators.build(self.rule, f=rule_f, **self.rule_params)(rows)
+            out = aggregate(_repeat(base + scale * direction, f))
             return float(torch.linalg.vector_norm((out - target).double()))
 
         scale, value = maximize_scale(
@@ -147,6 +158,56 @@ class _Optimal(Attack):
         )
         logger.debug("%s against %s: scale=%.6g moves it by %.6g", self.name, self.rule, scale, value)
         return _repeat(base + scale * direction, f)
+
+    def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
+        _check_input(self.name, honest, f, min_h=2)
+        h, d = honest.shape
+        if f == 0:
+            return honest.new_empty((0, d))
+        rule_f = self._rule_f(h, f)
+
+        def fresh(byzantine: Tensor) -> Tensor:
+            return aggregators.build(self.rule, f=rule_f, **self.rule_params)(torch.cat([honest, byzantine]))
+
+        return self._search(honest, f, fresh)
+
+    def craft_round(
+        self, rows: Tensor, byzantine: Tensor, clients: Sequence[int], *, generator: torch.Generator
+    ) -> Tensor:
+        """With ``memory``: search against the rule as the server runs it this round, its memory included.
+
+        The attacker sees every row of every round and knows the server's code and configuration, so it
+        keeps a copy of the server's pipeline and feeds it the rows the server aggregates, in the server's
+        order and with its client ids: the copy's state (the filters' memory of each client, DnC's
+        generator) stays the server's. Each candidate is tried on a second pipeline loaded with that state.
+        The copy assumes the server aggregates every round with the rows it is given (no crafted row
+        dropped by validation, the same ``f``) and unit weights.
+        """
+        if not self.memory:
+            return super().craft_round(rows, byzantine, clients, generator=generator)
+        honest = rows[~byzantine]
+        f = int(byzantine.sum())
+        _check_input(self.name, honest, f, min_h=2)
+        rule_f = self._rule_f(honest.shape[0], f)
+        if rule_f not in self._copies:
+            build = lambda: aggregators.build(self.rule, f=rule_f, **self.rule_params)  # noqa: E731
+            self._copies[rule_f] = (build(), build())
+        server, trial = self._copies[rule_f]
+        state = server.state_dict()
+        index = byzantine.nonzero().flatten()
+        ids = list(clients)
+
+        def with_memory(candidate: Tensor) -> Tensor:
+            trial.load_state_dict({key: value.clone() for key, value in state.items()})
+            placed = rows.clone()
+            placed[index] = candidate.to(rows.dtype)
+            return trial(placed, clients=ids)
+
+        crafted = self._search(honest, f, with_memory)
+        sent = rows.clone()
+        sent[index] = crafted.to(rows.dtype)
+        server(sent, clients=ids)  # the server's memory moves on with the rows it is about to aggregate
+        return crafted
 
 
 @dataclass(frozen=True)
@@ -170,6 +231,9 @@ class OptimalALIE(_Optimal):
         Evenly spaced ``z`` values evaluated on ``[0, max_scale]`` (at least 2).
     refine : int, default 8
         Golden-section steps around the best grid value.
+    memory : bool, default False
+        Search against the rule with the state the server's has this round (a copy of the server's
+        pipeline fed the same rows, in simulation), instead of a rule built afresh.
 
     References
     ----------
@@ -210,6 +274,9 @@ class OptimalIPM(_Optimal):
         Evenly spaced ``epsilon`` values evaluated on ``[0, max_scale]`` (at least 2).
     refine : int, default 8
         Golden-section steps around the best grid value.
+    memory : bool, default False
+        Search against the rule with the state the server's has this round (a copy of the server's
+        pipeline fed the same rows, in simulation), instead of a rule built afresh.
 
     References
     ----------
@@ -253,6 +320,9 @@ class OptimalFang(_Optimal):
         Evenly spaced ``t`` values evaluated on ``[0, max_scale]`` (at least 2).
     refine : int, default 8
         Golden-section steps around the best grid value.
+    memory : bool, default False
+        Search against the rule with the state the server's has this round (a copy of the server's
+        pipeline fed the same rows, in simulation), instead of a rule built afresh.
 
     References
     ----------

@@ -84,14 +84,17 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "optimal_alie": [
         ("rule", "kurm"), ("rule", "winsorise+trimmed_mean"), ("rule_f", -1), ("rule_params", {"tau": 1.0}),
         ("max_scale", 0.0), ("grid", 1), ("refine", -1),
+        ("memory", "yes"),
     ],
     "optimal_ipm": [
         ("rule", None), ("rule_f", 1.5), ("rule_params", [1]), ("max_scale", math.nan), ("grid", 2.0),
         ("refine", True),
+        ("memory", "yes"),
     ],
     "optimal_fang": [
         ("rule", "fltrust"), ("rule_f", -2), ("rule_params", None), ("max_scale", -1.0), ("grid", 0),
         ("refine", 1.5),
+        ("memory", "yes"),
     ],
 }
 
@@ -724,6 +727,76 @@ def test_optimal_fang_gains_nothing_beyond_the_extreme_that_winsorizing_clamps_t
     row = attacks.build("optimal_fang", rule="mean", max_scale=4.0).craft(honest, f=F, generator=gen())[0]
     mu = honest.mean(0)
     torch.testing.assert_close(row, mu + 4.0 * (_extreme(honest) - mu), rtol=0, atol=1e-5)
+
+
+DEFAULT_RULE = "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
+
+
+def _round_rows(round_: int, h: int = 16, f: int = F) -> tuple[Tensor, Tensor]:
+    """One round's rows: ``f`` Byzantine rows first (as their clients computed them), then ``h`` honest."""
+    rows = honest_rows(seed=100 + round_, h=h + f)
+    byzantine = torch.zeros(h + f, dtype=torch.bool)
+    byzantine[:f] = True
+    return rows, byzantine
+
+
+@pytest.mark.parametrize("name", ["optimal_fang", "optimal_alie", "optimal_ipm"])
+def test_optimal_attack_with_memory_keeps_the_server_state(name: str) -> None:
+    # The attacker's copy of the pipeline must hold the server's state after every round, or its
+    # search would be against another rule than the one the server runs.
+    server = aggregators.build(DEFAULT_RULE, f=F)
+    attack = attacks.build(name, memory=True, grid=4, refine=2)
+    clients = [7, 3, 11, 5, 0, 9, 2, 14, 1, 13, 6, 8, 4, 12, 10, 15, 16, 17, 18, 19]
+    for round_ in range(1, 6):
+        rows, byzantine = _round_rows(round_)
+        crafted = attack.craft_round(rows, byzantine, clients, generator=gen(round_))
+        assert crafted.shape == (F, rows.shape[1])
+        rows[byzantine] = crafted
+        server(rows, clients=clients)
+        copy = attack._copies[F][0].state_dict()
+        state = server.state_dict()
+        assert copy.keys() == state.keys()
+        assert all(torch.equal(copy[key], state[key]) for key in state)
+    assert any(value.numel() > 0 for value in state.values())  # the memory is not empty
+
+
+def _shift_on(state: dict[str, Tensor], rows: Tensor, byzantine: Tensor, row: Tensor, clients: list[int]) -> float:
+    """How far the default pipeline loaded with ``state`` lands from the honest mean, ``row`` in each
+    Byzantine place."""
+    trial = aggregators.build(DEFAULT_RULE, f=F)
+    trial.load_state_dict({key: value.clone() for key, value in state.items()})
+    placed = rows.clone()
+    placed[byzantine] = row.expand(F, -1)
+    return shift_norm(trial(placed, clients=clients), rows[~byzantine].mean(0))
+
+
+def test_optimal_attack_with_memory_is_searched_against_the_server_state() -> None:
+    # Round after round, the crafted rows move the server (with its state) at least as far as every
+    # other row on the grid would: the objective it maximized is the server's own.
+    server = aggregators.build(DEFAULT_RULE, f=F)
+    attack = attacks.build("optimal_fang", memory=True, grid=6, refine=3, max_scale=2.0)
+    clients = list(range(20))
+    for round_ in range(1, 5):
+        rows, byzantine = _round_rows(round_)
+        before = {key: value.clone() for key, value in server.state_dict().items()}
+        crafted = attack.craft_round(rows, byzantine, clients, generator=gen(round_))
+        honest = rows[~byzantine]
+        mu, extreme = honest.mean(0), _extreme(honest)
+        best_on_grid = max(
+            _shift_on(before, rows, byzantine, mu + t * (extreme - mu), clients)
+            for t in (0.0, 0.4, 0.8, 1.0, 1.2, 1.6, 2.0)
+        )
+        assert _shift_on(before, rows, byzantine, crafted[0], clients) >= best_on_grid * (1 - 1e-5)
+        rows[byzantine] = crafted
+        server(rows, clients=clients)
+
+
+def test_optimal_attack_without_memory_crafts_from_the_honest_rows_alone() -> None:
+    rows, byzantine = _round_rows(1)
+    attack = attacks.build("optimal_fang", grid=4, refine=2)
+    by_round = attack.craft_round(rows, byzantine, list(range(20)), generator=gen())
+    assert torch.equal(by_round, attack.craft(rows[~byzantine], f=F, generator=gen()))
+    assert attack._copies == {}
 
 
 def test_optimal_search_refines_an_interior_maximum() -> None:

@@ -280,8 +280,9 @@ def test_a_process_ending_right_after_configure_train_exits_cleanly() -> None:
 def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
     seen = {}
 
-    def hook(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor) -> list[int]:
+    def hook(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor, clients: list[int]) -> list[int]:
         seen["byzantine"] = byzantine.tolist()
+        seen["clients"] = clients
         rows[0] = float("nan")  # rejected when rechecked
         rows[1] = 0.0  # accepted: an all-zero update
         return [0, 1]
@@ -296,6 +297,7 @@ def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
         replies.append(Message(RecordDict({"arrays": ArrayRecord(s), "metrics": metrics}), reply_to=m))
     outcome = strategy.aggregate_round(1, replies)
     assert seen["byzantine"] == [True, True, False, False]
+    assert seen["clients"] == [100, 101, 102, 103]  # no partitions known: the node ids
     assert [(e["node"], e["reason"]) for e in outcome.rejected_nodes] == [(100, "non_finite")]
     assert outcome.accepted == [101, 102, 103]
     keys = float_keys(state)
