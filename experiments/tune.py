@@ -41,8 +41,9 @@ ATTACKS = (
     "optimal_alie", "optimal_ipm", "optimal_fang",
 )
 # (sweep name, attack, overrides separated by spaces); the attack files declare no such params: "+" adds
-# them. The last two are sleepers that turn, by 30 degrees a round from round 4 and by 15 from round 2
-# (the consistency filter's adaptive attacks: against its fast direction, and against a slow one).
+# them. The last three are sleepers that turn, by 30 degrees a round from round 4, by 15 from round 2
+# and by 6 from round 2 (the consistency filter's adaptive attacks: against its fast direction, against
+# a slow one, and against how long the slow one remembers; the last completes its turn in round 31).
 VARIANTS = (
     ("sign_flip_x4", "sign_flip", "+attack.params.scale=4.0"),
     ("mimic_noise_0.5", "mimic", "+attack.params.noise=0.5"),
@@ -50,6 +51,7 @@ VARIANTS = (
     ("sign_flip_start_10", "sign_flip", "+attack.params.start_round=10"),
     ("sign_flip_turn_6", "sign_flip", "+attack.params.start_round=4 +attack.params.turn_rounds=6"),
     ("sign_flip_turn_12", "sign_flip", "+attack.params.start_round=2 +attack.params.turn_rounds=12"),
+    ("sign_flip_turn_30", "sign_flip", "+attack.params.start_round=2 +attack.params.turn_rounds=30"),
 )
 BASE = "base"
 
