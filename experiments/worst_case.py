@@ -389,8 +389,12 @@ def plot(cases: list[WorstCase], partitions: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = [c for c in cases if c.rule != CLEAN_RULE]
-    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.6 * len(cases)), 3.8))
-    width = 0.8 / max(1, len(partitions))
+    # Horizontal bars: the pipelines' names are long, and read best as row labels, in the table's order.
+    fig, axes = plt.subplots(
+        1, 2, figsize=(12.0, 1.2 + 0.3 * len(cases) * max(1, len(partitions))), sharey=True,
+        gridspec_kw={"width_ratios": [3, 2]},
+    )
+    height = 0.8 / max(1, len(partitions))
     panels = (
         (axes[0], lambda c, p: 100 * c.gap[p][0] if p in c.gap else 0.0, lambda p: 100 * GOAL_GAP[p],
          "worst gap to clean FedAvg (points)"),
@@ -398,12 +402,14 @@ def plot(cases: list[WorstCase], partitions: list[str], path: Path) -> None:
     )
     for ax, value, goal, label in panels:
         for j, p in enumerate(partitions):
-            xs = [i + (j - (len(partitions) - 1) / 2) * width for i in range(len(cases))]
-            ax.bar(xs, [value(c, p) for c in cases], width, label=p, color=f"C{j}")
-            ax.axhline(goal(p), color=f"C{j}", linestyle="--", linewidth=1)
-        ax.set_xticks(range(len(cases)), [c.rule for c in cases], rotation=35, ha="right")
-        ax.set_ylabel(label)
-    axes[0].legend(title="partition (dashed: goal)")
+            ys = [i + (j - (len(partitions) - 1) / 2) * height for i in range(len(cases))]
+            ax.barh(ys, [value(c, p) for c in cases], height, label=p, color=f"C{j}")
+            ax.axvline(goal(p), color=f"C{j}", linestyle="--", linewidth=1)
+        ax.set_xlabel(label)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(range(len(cases)), [c.rule for c in cases])
+    axes[0].invert_yaxis()  # the first configuration of the table on top
+    axes[0].legend(title="partition (dashed: goal)", loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
