@@ -99,6 +99,11 @@ def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any) -> None:
         )
 
 
+def _cloned(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A copy of a pipeline state that later calls of the pipeline cannot change."""
+    return {key: value.clone() for key, value in state.items()}
+
+
 @dataclass(frozen=True)
 class _Optimal(Attack):
     """Common part: the rule to attack and the search over one scale."""
@@ -111,11 +116,9 @@ class _Optimal(Attack):
     grid: int = 11
     refine: int = 8
     memory: bool = False
-    # With ``memory``: the attacker's copy of the server's pipeline, per f, fed the same rows every round,
-    # and a second one to try candidates on.
-    _copies: dict[int, tuple[aggregators.Aggregator, aggregators.Aggregator]] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
+    # With ``memory``: the server's pipeline state as the attacker follows it ("state"; one for every f,
+    # as the server shares its state between the f it runs with), and a pipeline per f to run it on.
+    _memory: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_rule(self.name, self.rule, self.rule_f, self.rule_params)
@@ -177,11 +180,12 @@ class _Optimal(Attack):
         """With ``memory``: search against the rule as the server runs it this round, its memory included.
 
         The attacker sees every row of every round and knows the server's code and configuration, so it
-        keeps a copy of the server's pipeline and feeds it the rows the server aggregates, in the server's
-        order and with its client ids: the copy's state (the filters' memory of each client, DnC's
-        generator) stays the server's. Each candidate is tried on a second pipeline loaded with that state.
-        The copy assumes the server aggregates every round with the rows it is given (no crafted row
-        dropped by validation, the same ``f``) and unit weights.
+        follows the server's pipeline state: it runs the pipeline on the rows the server aggregates, in the
+        server's order and with its client ids, so its state (the filters' memory of each client, DnC's
+        generator) stays the server's. Each candidate is tried on the pipeline loaded with that state. As
+        the server does, one state serves every ``f`` (a round with fewer Byzantine rows runs the pipeline
+        built for that ``f`` on the same state). It assumes the server aggregates every round with the rows
+        it is given (no crafted row dropped by validation, the same ``f``) and unit weights.
         """
         if not self.memory:
             return super().craft_round(rows, byzantine, clients, generator=generator)
@@ -189,24 +193,25 @@ class _Optimal(Attack):
         f = int(byzantine.sum())
         _check_input(self.name, honest, f, min_h=2)
         rule_f = self._rule_f(honest.shape[0], f)
-        if rule_f not in self._copies:
-            build = lambda: aggregators.build(self.rule, f=rule_f, **self.rule_params)  # noqa: E731
-            self._copies[rule_f] = (build(), build())
-        server, trial = self._copies[rule_f]
-        state = server.state_dict()
+        pipelines = self._memory.setdefault("pipelines", {})
+        if rule_f not in pipelines:
+            pipelines[rule_f] = aggregators.build(self.rule, f=rule_f, **self.rule_params)
+        pipeline = pipelines[rule_f]
+        state = self._memory.get("state")
+        if state is None:
+            state = _cloned(pipeline.state_dict())  # a fresh pipeline's: the server's before round 1
         index = byzantine.nonzero().flatten()
         ids = list(clients)
 
         def with_memory(candidate: Tensor) -> Tensor:
-            trial.load_state_dict({key: value.clone() for key, value in state.items()})
+            pipeline.load_state_dict(_cloned(state))
             placed = rows.clone()
             placed[index] = candidate.to(rows.dtype)
-            return trial(placed, clients=ids)
+            return pipeline(placed, clients=ids)
 
         crafted = self._search(honest, f, with_memory)
-        sent = rows.clone()
-        sent[index] = crafted.to(rows.dtype)
-        server(sent, clients=ids)  # the server's memory moves on with the rows it is about to aggregate
+        with_memory(crafted)  # the server's memory moves on with the rows it is about to aggregate
+        self._memory["state"] = _cloned(pipeline.state_dict())
         return crafted
 
 

@@ -753,11 +753,29 @@ def test_optimal_attack_with_memory_keeps_the_server_state(name: str) -> None:
         assert crafted.shape == (F, rows.shape[1])
         rows[byzantine] = crafted
         server(rows, clients=clients)
-        copy = attack._copies[F][0].state_dict()
+        copy = attack._memory["state"]
         state = server.state_dict()
         assert copy.keys() == state.keys()
         assert all(torch.equal(copy[key], state[key]) for key in state)
     assert any(value.numel() > 0 for value in state.values())  # the memory is not empty
+
+
+def test_optimal_attack_with_memory_shares_the_state_between_rounds_of_other_f() -> None:
+    # A round with fewer Byzantine rows runs the pipeline for that f on the same state, as the server
+    # does (RobustStrategy loads its state into the pipeline of the round's f and back).
+    pipelines = {f: aggregators.build(DEFAULT_RULE, f=f) for f in (F - 1, F)}
+    attack = attacks.build("optimal_alie", memory=True, grid=4, refine=2)
+    clients = list(range(20))
+    state = pipelines[F].state_dict()
+    for round_, f in enumerate([F, F - 1, F, F - 1], start=1):
+        rows, byzantine = _round_rows(round_, h=20 - f, f=f)
+        rows[byzantine] = attack.craft_round(rows, byzantine, clients, generator=gen(round_))
+        pipelines[f].load_state_dict({key: value.clone() for key, value in state.items()})
+        pipelines[f](rows, clients=clients)
+        state = pipelines[f].state_dict()
+        copy = attack._memory["state"]
+        assert copy.keys() == state.keys()
+        assert all(torch.equal(copy[key], state[key]) for key in state)
 
 
 def _shift_on(state: dict[str, Tensor], rows: Tensor, byzantine: Tensor, row: Tensor, clients: list[int]) -> float:
@@ -796,7 +814,7 @@ def test_optimal_attack_without_memory_crafts_from_the_honest_rows_alone() -> No
     attack = attacks.build("optimal_fang", grid=4, refine=2)
     by_round = attack.craft_round(rows, byzantine, list(range(20)), generator=gen())
     assert torch.equal(by_round, attack.craft(rows[~byzantine], f=F, generator=gen()))
-    assert attack._copies == {}
+    assert attack._memory == {}
 
 
 def test_optimal_search_refines_an_interior_maximum() -> None:
