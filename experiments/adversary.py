@@ -11,7 +11,9 @@ bound), as it checked what the clients sent.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -24,11 +26,27 @@ from fedrobust.training import derive_seed
 CraftObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
+def attack_for(cfg: RunConfig) -> attacks.Attack:
+    """``cfg.attack`` built; an attack that follows the server's memory gets the server's stage parameters.
+
+    Such an attacker must run the server's very pipeline, the parameters of ``aggregator.pre_params``
+    included, which ``conf/attack`` does not pass (``rule_pre_params`` given in the attack's own params
+    take precedence). Without ``memory`` the attack keeps its own model of the rule.
+    """
+    attack = attacks.build(cfg.attack.name, **cfg.attack.params)
+    if getattr(attack, "memory", False) and getattr(attack, "rule", None) == cfg.aggregator.name:
+        named = set(cfg.named_stages()[:-1])
+        given = {stage: dict(params) for stage, params in cfg.aggregator.pre_params.items() if stage in named}
+        own = getattr(attack, "rule_pre_params", {})
+        attack = dataclasses.replace(cast(Any, attack), rule_pre_params={**given, **own})
+    return attack
+
+
 def omniscient_hook(cfg: RunConfig, observe: CraftObserver | None = None) -> UpdateHook | None:
     """The hook for ``cfg.attack`` when it is omniscient, else None; ``observe`` sees every round's craft."""
     if cfg.attack.name not in attacks.omniscient_names() or cfg.num_byzantine == 0:
         return None
-    attack = attacks.build(cfg.attack.name, **cfg.attack.params)
+    attack = attack_for(cfg)
 
     def craft(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor, clients: list[int]) -> list[int]:
         """Overwrite the Byzantine rows of ``rows`` in place; return their indices."""

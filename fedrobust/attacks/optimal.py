@@ -71,7 +71,7 @@ def maximize_scale(objective: Callable[[float], float], *, default: float, max_s
     return best, seen[best]
 
 
-def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any) -> None:
+def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any, rule_pre_params: Any) -> None:
     """Validate the rule the attack is tuned against by building it once."""
     pre, name = aggregators.split_pipeline(rule) if isinstance(rule, str) else ([], None)
     if name not in aggregators.names() or any(stage not in aggregators.pre_names() for stage in pre):
@@ -84,12 +84,27 @@ def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any) -> None:
         check_int(attack, "rule_f", rule_f, low=0)
     if not isinstance(rule_params, Mapping):
         raise ValueError(f"attack {attack!r}: parameter 'rule_params' must be a mapping, got {rule_params!r}")
+    if not isinstance(rule_pre_params, Mapping) or any(
+        stage not in pre or not isinstance(params, Mapping) for stage, params in rule_pre_params.items()
+    ):
+        raise ValueError(
+            f"attack {attack!r}: parameter 'rule_pre_params' must be a mapping of stages of {rule!r} "
+            f"({', '.join(pre) or 'none'}) to their parameters, got {rule_pre_params!r}"
+        )
+    f = 0 if rule_f is None else rule_f
     try:
-        built = aggregators.build(rule, f=0 if rule_f is None else rule_f, **rule_params)
+        built = _build(rule, f, rule_params, {})
     except ValueError as err:
         raise ValueError(
             f"attack {attack!r}: parameter 'rule_params' must be valid parameters of rule {rule!r} ({err}), "
             f"got {dict(rule_params)!r}"
+        ) from err
+    try:
+        _build(rule, f, rule_params, rule_pre_params)
+    except ValueError as err:
+        raise ValueError(
+            f"attack {attack!r}: parameter 'rule_pre_params' must be valid parameters of the stages of {rule!r} "
+            f"({err}), got {dict(rule_pre_params)!r}"
         ) from err
     if built.needs_server_update:
         # The search would have to run the rule, which needs the server's own update of the round:
@@ -104,6 +119,16 @@ def _cloned(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {key: value.clone() for key, value in state.items()}
 
 
+def _build(
+    rule: str, f: int, rule_params: Mapping[str, Any], rule_pre_params: Mapping[str, Mapping[str, Any]]
+) -> aggregators.Aggregator:
+    """The pipeline ``rule`` with ``f``, its rule's parameters and each pre-aggregator's."""
+    if not rule_pre_params:
+        return aggregators.build(rule, f=f, **rule_params)
+    pre, name = aggregators.split_pipeline(rule)
+    return aggregators.build(name, f=f, pre=[{"name": p, **rule_pre_params.get(p, {})} for p in pre], **rule_params)
+
+
 @dataclass(frozen=True)
 class _Optimal(Attack):
     """Common part: the rule to attack and the search over one scale."""
@@ -112,6 +137,7 @@ class _Optimal(Attack):
     rule: str = "consistency+direction+dedup+winsorize+nnm+trimmed_mean"  # the server's default
     rule_f: int | None = None
     rule_params: dict[str, Any] = field(default_factory=dict)
+    rule_pre_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     max_scale: float = 10.0
     grid: int = 11
     refine: int = 8
@@ -121,7 +147,7 @@ class _Optimal(Attack):
     _memory: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_rule(self.name, self.rule, self.rule_f, self.rule_params)
+        _check_rule(self.name, self.rule, self.rule_f, self.rule_params, self.rule_pre_params)
         object.__setattr__(self, "max_scale", check_real(self.name, "max_scale", self.max_scale, low=0.0))
         check_int(self.name, "grid", self.grid, low=2)
         check_int(self.name, "refine", self.refine, low=0)
@@ -136,10 +162,14 @@ class _Optimal(Attack):
         """The attack's own default scale."""
         raise NotImplementedError
 
+    def _rule(self, f: int) -> aggregators.Aggregator:
+        """The rule attacked, built afresh with ``f``."""
+        return _build(self.rule, f, self.rule_params, self.rule_pre_params)
+
     def _rule_f(self, h: int, f: int) -> int:
         """The rule's f for ``h`` honest and ``f`` Byzantine rows, once the rule is known to take them."""
         rule_f = f if self.rule_f is None else self.rule_f
-        needed = aggregators.build(self.rule, f=rule_f, **self.rule_params).min_n()
+        needed = self._rule(rule_f).min_n()
         if h + f < needed:
             raise ValueError(
                 f"attack {self.name!r}: rule {self.rule!r} with f={rule_f} needs n >= {needed} rows, "
@@ -170,7 +200,7 @@ class _Optimal(Attack):
         rule_f = self._rule_f(h, f)
 
         def fresh(byzantine: Tensor) -> Tensor:
-            return aggregators.build(self.rule, f=rule_f, **self.rule_params)(torch.cat([honest, byzantine]))
+            return self._rule(rule_f)(torch.cat([honest, byzantine]))
 
         return self._search(honest, f, fresh)
 
@@ -195,7 +225,7 @@ class _Optimal(Attack):
         rule_f = self._rule_f(honest.shape[0], f)
         pipelines = self._memory.setdefault("pipelines", {})
         if rule_f not in pipelines:
-            pipelines[rule_f] = aggregators.build(self.rule, f=rule_f, **self.rule_params)
+            pipelines[rule_f] = self._rule(rule_f)
         pipeline = pipelines[rule_f]
         state = self._memory.get("state")
         if state is None:
@@ -230,6 +260,9 @@ class OptimalALIE(_Optimal):
         The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
     rule_params : dict, default {}
         The rule's parameters.
+    rule_pre_params : dict, default {}
+        Parameters of the pipeline's pre-aggregators, by stage name (as ``aggregator.pre_params``);
+        the simulation fills them from the server's configuration when ``memory`` is on.
     max_scale : float, default 10.0
         Largest ``z`` searched.
     grid : int, default 11
@@ -273,6 +306,9 @@ class OptimalIPM(_Optimal):
         The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
     rule_params : dict, default {}
         The rule's parameters.
+    rule_pre_params : dict, default {}
+        Parameters of the pipeline's pre-aggregators, by stage name (as ``aggregator.pre_params``);
+        the simulation fills them from the server's configuration when ``memory`` is on.
     max_scale : float, default 10.0
         Largest ``epsilon`` searched.
     grid : int, default 11
@@ -319,6 +355,9 @@ class OptimalFang(_Optimal):
         The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
     rule_params : dict, default {}
         The rule's parameters.
+    rule_pre_params : dict, default {}
+        Parameters of the pipeline's pre-aggregators, by stage name (as ``aggregator.pre_params``);
+        the simulation fills them from the server's configuration when ``memory`` is on.
     max_scale : float, default 10.0
         Largest ``t`` searched.
     grid : int, default 11

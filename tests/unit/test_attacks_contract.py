@@ -85,16 +85,19 @@ INVALID: dict[str, list[tuple[str, object]]] = {
         ("rule", "kurm"), ("rule", "winsorise+trimmed_mean"), ("rule_f", -1), ("rule_params", {"tau": 1.0}),
         ("max_scale", 0.0), ("grid", 1), ("refine", -1),
         ("memory", "yes"),
+        ("rule_pre_params", {"nnm": {"k": -1}}),
     ],
     "optimal_ipm": [
         ("rule", None), ("rule_f", 1.5), ("rule_params", [1]), ("max_scale", math.nan), ("grid", 2.0),
         ("refine", True),
         ("memory", "yes"),
+        ("rule_pre_params", [1]),
     ],
     "optimal_fang": [
         ("rule", "fltrust"), ("rule_f", -2), ("rule_params", None), ("max_scale", -1.0), ("grid", 0),
         ("refine", 1.5),
         ("memory", "yes"),
+        ("rule_pre_params", {"consistency": 1.0}),
     ],
 }
 
@@ -830,3 +833,29 @@ def test_optimal_attack_needs_the_rows_its_rule_needs() -> None:
         attacks.build("optimal_alie", rule="krum").craft(honest_rows(h=5), f=4, generator=gen())
     with pytest.raises(ValueError, match=r"optimal_ipm.*'rule_params'.*centered_clipping.*tua"):
         attacks.build("optimal_ipm", rule="centered_clipping", rule_params={"tua": 1.0})
+
+
+def test_simulation_gives_an_attack_with_memory_the_server_stage_parameters() -> None:
+    from experiments import study
+    from experiments.adversary import attack_for
+
+    pipeline = "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
+    base = ["attack=optimal_fang", "+aggregator.pre_params.direction.z=1.5", "+aggregator.pre_params.dedup.tol=0.1"]
+    configs = study.compose({"memory": [*base, "+attack.params.memory=true"], "plain": base})
+    with_memory = attack_for(configs["memory"])
+    assert with_memory.rule == pipeline  # type: ignore[attr-defined]
+    assert with_memory.rule_pre_params == {"direction": {"z": 1.5}, "dedup": {"tol": 0.1}}  # type: ignore[attr-defined]
+    # Its copy of the pipeline is the server's: the same stage parameters.
+    copy = with_memory._rule(F)  # type: ignore[attr-defined]
+    server = aggregators.build(
+        "trimmed_mean", f=F, pre=["consistency", {"name": "direction", "z": 1.5}, {"name": "dedup", "tol": 0.1},
+                                  "winsorize", "nnm"],
+    )
+    assert repr(copy) == repr(server) and copy.pre[1].z == 1.5 and copy.pre[2].tol == 0.1
+    # Without memory the attack keeps its own model of the rule, as conf/attack gives it.
+    assert attack_for(configs["plain"]).rule_pre_params == {}  # type: ignore[attr-defined]
+
+
+def test_rule_pre_params_must_name_stages_of_the_pipeline() -> None:
+    with pytest.raises(ValueError, match=r"optimal_alie.*'rule_pre_params'.*stages of 'winsorize\+trimmed_mean'.*krum"):
+        attacks.build("optimal_alie", rule="winsorize+trimmed_mean", rule_pre_params={"krum": {}})
