@@ -1,4 +1,4 @@
-"""The omniscient, colluding adversary of simulation (ALIE, IPM, mimic, min-max, min-sum).
+"""The omniscient, colluding adversary of simulation (ALIE, IPM, mimic, min-max, min-sum, Fang's, the tuned ones).
 
 It sees every honest update of the round, which no real attacker on a device
 can, so it lives here and is installed only by the simulation entry point as
