@@ -27,18 +27,21 @@ CraftObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def attack_for(cfg: RunConfig) -> attacks.Attack:
-    """``cfg.attack`` built; an attack that follows the server's memory gets the server's stage parameters.
+    """``cfg.attack`` built; an attack that follows the server's memory gets the server's whole pipeline.
 
-    Such an attacker must run the server's very pipeline, the parameters of ``aggregator.pre_params``
-    included, which ``conf/attack`` does not pass (``rule_pre_params`` given in the attack's own params
-    take precedence). Without ``memory`` the attack keeps its own model of the rule.
+    Such an attacker must run the server's very pipeline: the stages ``aggregator.pre`` lists in front
+    of ``aggregator.name``'s, and the parameters of ``aggregator.pre_params``, which ``conf/attack`` does
+    not pass (``rule_pre_params`` given in the attack's own params take precedence). Without ``memory``
+    the attack keeps its own model of the rule.
     """
     attack = attacks.build(cfg.attack.name, **cfg.attack.params)
-    if getattr(attack, "memory", False) and getattr(attack, "rule", None) == cfg.aggregator.name:
-        named = set(cfg.named_stages()[:-1])
-        given = {stage: dict(params) for stage, params in cfg.aggregator.pre_params.items() if stage in named}
+    follows_server = getattr(attack, "memory", False) and getattr(attack, "rule", None) == cfg.aggregator.name
+    if follows_server and not cfg.aggregator._target_:
+        stages = cfg.pre_aggregators()
+        given = {stage: dict(params) for stage, params in cfg.aggregator.pre_params.items() if stage in stages}
         own = getattr(attack, "rule_pre_params", {})
-        attack = dataclasses.replace(cast(Any, attack), rule_pre_params={**given, **own})
+        pipeline = "+".join([*stages, cfg.rule()])
+        attack = dataclasses.replace(cast(Any, attack), rule=pipeline, rule_pre_params={**given, **own})
     return attack
 
 

@@ -856,6 +856,20 @@ def test_simulation_gives_an_attack_with_memory_the_server_stage_parameters() ->
     assert attack_for(configs["plain"]).rule_pre_params == {}  # type: ignore[attr-defined]
 
 
+def test_simulation_gives_an_attack_with_memory_the_stages_aggregator_pre_lists() -> None:
+    from experiments import study
+    from experiments.adversary import attack_for
+    from fedrobust.run_setup import build_aggregator
+
+    overrides = ["aggregator=trimmed_mean", "aggregator.pre=bucketing", "+aggregator.pre_params.bucketing.s=1",
+                 "attack=optimal_alie", "+attack.params.memory=true"]
+    cfg = study.compose({"run": overrides})["run"]
+    attack = attack_for(cfg)
+    assert attack.rule == "bucketing+trimmed_mean"  # type: ignore[attr-defined]
+    assert repr(attack._rule(F)) == repr(build_aggregator(cfg))  # type: ignore[attr-defined]
+    assert attack._rule(F).pre[0].s == 1  # type: ignore[attr-defined]
+
+
 def test_rule_pre_params_must_name_stages_of_the_pipeline() -> None:
     with pytest.raises(ValueError, match=r"optimal_alie.*'rule_pre_params'.*stages of 'winsorize\+trimmed_mean'.*krum"):
         attacks.build("optimal_alie", rule="winsorize+trimmed_mean", rule_pre_params={"krum": {}})
