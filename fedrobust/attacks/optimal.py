@@ -32,7 +32,7 @@ from fedrobust import aggregators
 from fedrobust.attacks.base import Attack, _fail, check_int, check_real
 from fedrobust.attacks.omniscient import _centre, _check_input, _repeat, alie_z
 
-__all__ = ["OptimalALIE", "OptimalFang", "OptimalIPM", "maximize_scale"]
+__all__ = ["OptimalALIE", "OptimalFang", "OptimalIPM", "OptimalMix", "maximize_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,20 +177,29 @@ class _Optimal(Attack):
             )
         return rule_f
 
-    def _search(self, honest: Tensor, f: int, aggregate: Callable[[Tensor], Tensor]) -> Tensor:
-        """The ``f`` rows on the attack's line whose ``aggregate(rows)`` lands farthest from the honest mean."""
-        target = honest.mean(dim=0)
+    def _lines(self, honest: Tensor, f: int) -> list[tuple[Tensor, Tensor, float]]:
+        """``(base, direction, default scale)`` of each line searched; most attacks search one."""
         base, direction = self._line(honest)
+        return [(base, direction, self._default(honest, f))]
 
-        def objective(scale: float) -> float:
-            out = aggregate(_repeat(base + scale * direction, f))
-            return float(torch.linalg.vector_norm((out - target).double()))
+    def _search(self, honest: Tensor, f: int, aggregate: Callable[[Tensor], Tensor]) -> Tensor:
+        """The ``f`` rows on the attack's lines whose ``aggregate(rows)`` lands farthest from the honest mean."""
+        target = honest.mean(dim=0)
+        best: tuple[float, Tensor] | None = None
+        for base, direction, default in self._lines(honest, f):
 
-        scale, value = maximize_scale(
-            objective, default=self._default(honest, f), max_scale=self.max_scale, grid=self.grid, refine=self.refine
-        )
-        logger.debug("%s against %s: scale=%.6g moves it by %.6g", self.name, self.rule, scale, value)
-        return _repeat(base + scale * direction, f)
+            def objective(scale: float) -> float:
+                out = aggregate(_repeat(base + scale * direction, f))  # noqa: B023 (called in this iteration)
+                return float(torch.linalg.vector_norm((out - target).double()))
+
+            scale, value = maximize_scale(
+                objective, default=default, max_scale=self.max_scale, grid=self.grid, refine=self.refine
+            )
+            logger.debug("%s against %s: scale=%.6g moves it by %.6g", self.name, self.rule, scale, value)
+            if best is None or value > best[0]:  # ties keep the first line
+                best = (value, base + scale * direction)
+        assert best is not None
+        return _repeat(best[1], f)
 
     def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
         _check_input(self.name, honest, f, min_h=2)
@@ -384,3 +393,63 @@ class OptimalFang(_Optimal):
 
     def _default(self, honest: Tensor, f: int) -> float:
         return 1.0
+
+
+@dataclass(frozen=True)
+class OptimalMix(_Optimal):
+    """The tuned attacks' directions and their mixes, each with its scale tuned against ``rule``; the
+    rows that move ``rule``'s output farthest of all.
+
+    The directions are ALIE's (``-sigma``), IPM's (``-mean``) and Fang's (``e - mean``, each coordinate's
+    honest extreme opposite to the mean's sign), each of unit length; the lines searched start at the
+    honest mean and go along each of them, along the mean of each pair and along the mean of all three,
+    seven in all, every one scaled to the norm of ``sigma`` (so ``t = 1`` moves the rows by one honest
+    standard deviation's norm). Each line's ``t`` in ``[0, max_scale]`` is searched as the other tuned
+    attacks search theirs (``t = 1`` always a candidate), and the best line wins: a search over the
+    direction in the plane of the three, not only the scale along one. It costs seven times the
+    aggregations of one tuned attack.
+
+    Parameters
+    ----------
+    rule : str, default "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
+        Registered aggregation rule, or ``+``-joined pipeline, the server is assumed to run.
+    rule_f : int or None, default None
+        The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
+    rule_params : dict, default {}
+        The rule's parameters.
+    rule_pre_params : dict, default {}
+        Parameters of the pipeline's pre-aggregators, by stage name (as ``aggregator.pre_params``);
+        the simulation fills them from the server's configuration when ``memory`` is on.
+    max_scale : float, default 10.0
+        Largest ``t`` searched on each line.
+    grid : int, default 11
+        Evenly spaced ``t`` values evaluated on ``[0, max_scale]`` (at least 2).
+    refine : int, default 8
+        Golden-section steps around the best grid value.
+    memory : bool, default False
+        Search against the rule with the state the server's has this round (a copy of the server's
+        pipeline fed the same rows, in simulation), instead of a rule built afresh.
+
+    References
+    ----------
+    Baruch et al. (ALIE, NeurIPS 2019), Xie et al. (IPM, UAI 2020), Fang et al. (USENIX Security 2020)
+    for the directions; Shejwalkar, Houmansadr (NDSS 2021) for tailoring the attack to the known rule.
+    """
+
+    name: ClassVar[str] = "optimal_mix"
+
+    def _lines(self, honest: Tensor, f: int) -> list[tuple[Tensor, Tensor, float]]:
+        mu, _, sigma = _centre(honest)
+        unit = torch.linalg.vector_norm(sigma)
+        extreme = torch.where(mu > 0, honest.min(dim=0).values, honest.max(dim=0).values)
+        directions = [v / torch.linalg.vector_norm(v) for v in (-sigma, -mu, extreme - mu) if bool(v.any())]
+        mixes = [[i] for i in range(len(directions))]
+        mixes += [[i, j] for i in range(len(directions)) for j in range(i + 1, len(directions))]
+        mixes += [list(range(len(directions)))] if len(directions) > 2 else []
+        lines = []
+        for mix in mixes:
+            v = torch.stack([directions[i] for i in mix]).sum(dim=0)
+            norm = torch.linalg.vector_norm(v)
+            if norm > 0:
+                lines.append((mu, v * (unit / norm), 1.0))
+        return lines or [(mu, torch.zeros_like(mu), 0.0)]

@@ -54,6 +54,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("optimal_alie", {"rule": "krum", "grid": 5, "refine": 3}),
     ("optimal_ipm", {"rule": "centered_clipping", "rule_f": 2, "rule_params": {"tau": "auto"}}),
     ("optimal_fang", {"rule": "median", "max_scale": 3.0, "grid": 4, "refine": 2}),
+    ("optimal_mix", {"rule": "trimmed_mean", "grid": 3, "refine": 1}),
     ("backdoor", {"boost": 5.0, "value": 3.0, "target": 3}),
 ]
 CONFIGS = [(name, {}) for name in attacks.names()] + VARIANTS
@@ -92,6 +93,10 @@ INVALID: dict[str, list[tuple[str, object]]] = {
         ("refine", True),
         ("memory", "yes"),
         ("rule_pre_params", [1]),
+    ],
+    "optimal_mix": [
+        ("rule", "mean+nnm"), ("rule_f", "2"), ("rule_params", {"k": 1}), ("rule_pre_params", {"nnm": None}),
+        ("max_scale", math.inf), ("grid", -3), ("refine", None), ("memory", 1),
     ],
     "optimal_fang": [
         ("rule", "fltrust"), ("rule_f", -2), ("rule_params", None), ("max_scale", -1.0), ("grid", 0),
@@ -873,3 +878,25 @@ def test_simulation_gives_an_attack_with_memory_the_stages_aggregator_pre_lists(
 def test_rule_pre_params_must_name_stages_of_the_pipeline() -> None:
     with pytest.raises(ValueError, match=r"optimal_alie.*'rule_pre_params'.*stages of 'winsorize\+trimmed_mean'.*krum"):
         attacks.build("optimal_alie", rule="winsorize+trimmed_mean", rule_pre_params={"krum": {}})
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "krum", "dnc", "signguard", DEFAULT_RULE])
+def test_optimal_mix_moves_the_rule_at_least_as_far_as_any_grid_point_of_its_lines(rule: str) -> None:
+    honest = honest_rows(seed=9)
+    attack = attacks.build("optimal_mix", rule=rule, grid=6, refine=2)
+    row = attack.craft(honest, f=F, generator=gen())[0]
+    reached = rule_shift(rule, F, honest, row.expand(F, -1))
+    lines = attack._lines(honest, F)  # type: ignore[attr-defined]
+    assert len(lines) == 7  # three directions, three pairs, all three
+    for base, direction, _ in lines:
+        torch.testing.assert_close(
+            torch.linalg.vector_norm(direction), torch.linalg.vector_norm(honest.std(0)), rtol=1e-4, atol=0
+        )
+        for t in (0.0, 2.0, 4.0, 6.0, 8.0, 10.0):
+            assert reached >= rule_shift(rule, F, honest, (base + t * direction).expand(F, -1)) * (1 - 1e-6)
+
+
+def test_optimal_mix_with_identical_honest_rows_sends_them() -> None:
+    honest = honest_rows(seed=1)[:1].expand(8, -1).contiguous()
+    out = attacks.build("optimal_mix", rule="trimmed_mean", grid=3, refine=0).craft(honest, f=2, generator=gen())
+    torch.testing.assert_close(out, honest[:2])
