@@ -131,7 +131,7 @@ def _build(
 
 @dataclass(frozen=True)
 class _Optimal(Attack):
-    """Common part: the rule to attack and the search over one scale."""
+    """Common part: the rule to attack, and the search over a scale along one line (or several)."""
 
     omniscient: ClassVar[bool] = True
     rule: str = "consistency+direction+dedup+winsorize+nnm+trimmed_mean"  # the server's default
