@@ -9,7 +9,8 @@ server is stopped, each stop followed by a resume of the same command:
 2. SIGTERM to the group (how Slurm's scancel, preemption and most supervisors stop a job), sent again
    every 2 ms until the stop's checkpoint is on disk, so that signals land while it is written:
    checkpoint, exit 75. The stop can take under 20 ms (round abandoned and checkpoint written in 18 ms
-   in a CI run), so a slower repeat may send only one. Steps 1 and 2 checkpoint only when stopped
+   in a CI run), so a slower repeat may send only one: an attempt whose repeats all came outside that
+   window (this process did not get the CPU in time) is run once more from its checkpoint. Steps 1 and 2 checkpoint only when stopped
    (``checkpoint.every_rounds=0``), so each of their checkpoints was written by the stop.
 3. Ray hung (its control store, gcs_server, stopped with SIGSTOP), then SIGTERM to the main process
    alone: checkpoint, exit 75, without waiting for Flower's engine, whose shutdown then hangs for good
@@ -93,19 +94,29 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         assert stopped_at >= 2
 
         # 2. SIGTERM to the group after the next round, again every 2 ms until the stop's checkpoint is on disk.
-        second = run("second", ON_STOP_ONLY)
-        wait_for(second, f"resumed after round {stopped_at}")
-        wait_for(second, f"[round   {stopped_at + 1}/")
-        while "is on disk" not in second.log_path.read_text(errors="replace") and second.alive():
-            os.killpg(second.pid, signal.SIGTERM)
-            time.sleep(0.002)
-        assert finish(second) == EXIT_PREEMPTED, second.tail()
-        log = second.log_path.read_text()
-        assert "checkpoint written" in log and log.count("received SIGTERM") == 1, second.tail()
-        signals = re.search(r"(\d+) stop signals received in all", log)
-        assert signals is not None and int(signals.group(1)) >= 2, second.tail()  # the repeats came, unlogged
-        resumed_at = committed(ckpt)
-        assert stopped_at < resumed_at < ROUNDS
+        # A repeat counts as landed when it was sent after the handler logged the first signal and before
+        # the checkpoint's line: the stop's window. On a busy machine this process may not get the CPU
+        # inside that window (it can be under 20 ms); that attempt is then run once more from its checkpoint.
+        resumed_at = stopped_at
+        for attempt in range(2):
+            second = run(f"second{attempt}", ON_STOP_ONLY)
+            wait_for(second, f"resumed after round {resumed_at}")
+            wait_for(second, f"[round   {resumed_at + 1}/")
+            landed = 0
+            while "is on disk" not in (text := second.log_path.read_text(errors="replace")) and second.alive():
+                landed += "received SIGTERM" in text
+                os.killpg(second.pid, signal.SIGTERM)
+                time.sleep(0.002)
+            assert finish(second) == EXIT_PREEMPTED, second.tail()
+            log = second.log_path.read_text()
+            assert "checkpoint written" in log and log.count("received SIGTERM") == 1, second.tail()
+            previous, resumed_at = resumed_at, committed(ckpt)
+            assert previous < resumed_at < ROUNDS
+            if landed:
+                signals = re.search(r"(\d+) stop signals received in all", log)
+                assert signals is not None and int(signals.group(1)) >= 2, second.tail()  # counted, unlogged
+                break
+        assert landed, "no repeated SIGTERM was sent inside the stop's window in two attempts"
 
         # 3. Ray hung, then SIGTERM to the main process alone, after the next round.
         third = run("third")
