@@ -10,8 +10,9 @@ server is stopped, each stop followed by a resume of the same command:
    every 2 ms until the stop's checkpoint is on disk, so that signals land while it is written:
    checkpoint, exit 75. The stop can take under 20 ms (round abandoned and checkpoint written in 18 ms
    in a CI run), so a slower repeat may send only one: an attempt whose repeats all came outside that
-   window (this process did not get the CPU in time) is run once more from its checkpoint. Steps 1 and 2 checkpoint only when stopped
-   (``checkpoint.every_rounds=0``), so each of their checkpoints was written by the stop.
+   window (this process did not get the CPU in time) is run once more from its checkpoint. Steps 1
+   and 2 checkpoint only when stopped (``checkpoint.every_rounds=0``), so each of their checkpoints
+   was written by the stop.
 3. Ray hung (its control store, gcs_server, stopped with SIGSTOP), then SIGTERM to the main process
    alone: checkpoint, exit 75, without waiting for Flower's engine, whose shutdown then hangs for good
    (without the watchdog in experiments/simulate.py the run never exited: over 190 s when tried).
