@@ -19,7 +19,7 @@ import torch
 
 from fedrobust import attacks
 from fedrobust.config import RunConfig
-from fedrobust.strategies.robust_strategy import UpdateHook
+from fedrobust.strategies.robust_strategy import RoundUpdates, UpdateHook
 from fedrobust.training import derive_seed
 
 # Sees each round's honest rows and the crafted ones: (server round, honest [h, d], crafted [f, d]).
@@ -51,16 +51,19 @@ def omniscient_hook(cfg: RunConfig, observe: CraftObserver | None = None) -> Upd
         return None
     attack = attack_for(cfg)
 
-    def craft(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor, clients: list[int]) -> list[int]:
-        """Overwrite the Byzantine rows of ``rows`` in place; return their indices."""
+    def craft(updates: RoundUpdates) -> list[int]:
+        """Overwrite the Byzantine rows of ``updates.rows`` in place; return their indices."""
+        rows, byzantine = updates.rows, updates.byzantine
         targets = torch.nonzero(byzantine).flatten().tolist()
         if not targets or len(targets) == rows.shape[0]:
             return []
-        generator = torch.Generator().manual_seed(derive_seed(cfg.seed, server_round, -1))
+        generator = torch.Generator().manual_seed(derive_seed(cfg.seed, updates.round, -1))
         # The rows change only once the attack has returned (craft_round does not modify them).
-        crafted = attack.craft_round(rows, byzantine, clients, generator=generator)
+        crafted = attack.craft_round(
+            rows, byzantine, updates.clients, generator=generator, server_update=updates.server_update
+        )
         if observe is not None:
-            observe(server_round, rows[~byzantine], crafted)
+            observe(updates.round, rows[~byzantine], crafted)
         rows[targets] = crafted.to(rows.dtype)
         return targets
 

@@ -148,9 +148,10 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     attack_ok = _choice(problems, "attack.name", cfg.attack.name, ["none", *attacks.names()])
     if cfg.attack.name != "none" and cfg.num_byzantine == 0:
         _problem(problems, "attack.name", cfg.attack.name, "needs num_byzantine > 0 (or attack=none)")
+    attack = None
     if attack_ok and cfg.attack.name != "none":
         try:
-            attacks.build(cfg.attack.name, **cfg.attack.params)
+            attack = attacks.build(cfg.attack.name, **cfg.attack.params)
         except (TypeError, ValueError) as err:
             _problem(problems, "attack.params", cfg.attack.params, str(err))
     elif cfg.attack.name == "none" and cfg.attack.params:
@@ -165,6 +166,10 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
         else:
             _problem(problems, "aggregator.params", cfg.aggregator.params, str(err))
         return
+    if attack is not None and attack.needs_server_update and not rule.needs_server_update:
+        _problem(problems, "attack.name", cfg.attack.name,
+                 f"needs the server's own update of each round, which {rule_label} does not compute: "
+                 "use it with aggregator=fltrust")
     if not pre_ok:
         return
     try:

@@ -101,14 +101,40 @@ class RoundOutcome:
         return MetricRecord({**counts, **self.train_metrics})
 
 
-# Sees the accepted updates of a round before they are aggregated: ``hook(round, rows, byzantine, clients)``
-# with ``rows`` the [n, d] float32 update matrix (writable, aggregation order, no copy), ``byzantine`` an
-# [n] bool mask of the replies marked Byzantine (simulation only) and ``clients`` the id of each row's
-# client that the aggregator's memory keys on (its partition where known, else its node id). It rewrites
-# rows in place and returns the indices it rewrote (None: any row may have changed); those rows are
-# checked again (finiteness, norm bound) and dropped when they fail. The simulation-only omniscient
-# adversary of experiments/ uses it; the strategy carries none by default.
-UpdateHook = Callable[[int, torch.Tensor, torch.Tensor, list[int]], Sequence[int] | None]
+@dataclass(frozen=True)
+class RoundUpdates:
+    """What an ``update_hook`` sees of a round: its accepted updates, just before they are aggregated.
+
+    One object rather than positional arguments, so a field added later breaks no hook.
+
+    Attributes
+    ----------
+    round : int
+        The server round.
+    rows : torch.Tensor
+        The ``[n, d]`` float32 update matrix, in aggregation order: writable, not a copy.
+    byzantine : torch.Tensor
+        ``[n]`` bool mask of the replies marked Byzantine (``sim-byzantine``, simulation only).
+    clients : list[int]
+        The id of each row's client that the aggregator's memory keys on (its partition where known,
+        else its node id).
+    server_update : torch.Tensor or None
+        The server's own update of the round (``[d]`` float32, in the rows' layout) that the rule
+        will get, for rules that need one (FLTrust); None for the others. Not to be modified.
+    """
+
+    round: int
+    rows: torch.Tensor
+    byzantine: torch.Tensor
+    clients: list[int]
+    server_update: torch.Tensor | None = None
+
+
+# Sees the accepted updates of a round before they are aggregated: ``hook(updates: RoundUpdates)``. It
+# rewrites ``updates.rows`` in place and returns the indices it rewrote (None: any row may have changed);
+# those rows are checked again (finiteness, norm bound) and dropped when they fail. The simulation-only
+# omniscient adversary of experiments/ uses it; the strategy carries none by default.
+UpdateHook = Callable[[RoundUpdates], Sequence[int] | None]
 
 # The server's own update of a round, for rules that need one (FLTrust): ``fn(round, global_state)`` with
 # the global model the round's clients were sent (name -> tensor, not to be modified) returns the server's
@@ -685,8 +711,14 @@ class RobustStrategy(Strategy):
         """Aggregate the rows of ``accepted`` (the matrix's rows, in order) and step the server optimizer."""
         server_round, matrix = outcome.round, self._matrix
         assert matrix is not None  # built by open_round
+        global_state = self._global
+        assert global_state is not None
+        # Before the hook: a simulated adversary with full knowledge sees the server update the rule gets.
+        server_update = None
+        if self.aggregator.needs_server_update and accepted:
+            server_update = self._server_update(server_round, global_state, matrix)
         if self.update_hook is not None and accepted:
-            accepted = self._run_hook(server_round, accepted, matrix, outcome)
+            accepted = self._run_hook(server_round, accepted, matrix, outcome, server_update)
         outcome.accepted = [u.node_id for u in accepted]
         outcome.train_metrics = _mean_metrics(accepted)
         rule, f_used = self._rule_after(outcome)
@@ -698,14 +730,14 @@ class RobustStrategy(Strategy):
             )
             return outcome
         start = time.perf_counter()
-        global_state = self._global
-        assert global_state is not None and len(matrix) == len(accepted)
+        assert len(matrix) == len(accepted)
         device = self.aggregation_device
         weights = None
         if self.weight_by_num_examples and rule.supports_weights:
             weights = torch.tensor([float(u.num_examples) for u in accepted], device=device)
         if rule.needs_server_update:
-            rule.set_server_update(self._server_update(server_round, global_state, matrix).to(device))
+            assert server_update is not None  # every f's rule is the configured one
+            rule.set_server_update(server_update.to(device))
         # On a CUDA device: one asynchronous copy from the page-locked matrix; the rule's first kernel
         # waits for it on the same stream. The aggregate's copy back synchronises.
         rows = matrix.rows().to(device, non_blocking=True)
@@ -955,13 +987,18 @@ class RobustStrategy(Strategy):
         )
 
     def _run_hook(
-        self, server_round: int, accepted: list[ClientUpdate], matrix: UpdateMatrix, outcome: RoundOutcome
+        self,
+        server_round: int,
+        accepted: list[ClientUpdate],
+        matrix: UpdateMatrix,
+        outcome: RoundOutcome,
+        server_update: torch.Tensor | None,
     ) -> list[ClientUpdate]:
         """Let ``update_hook`` rewrite rows in place; check the rewritten rows again and drop those that fail."""
         assert self.update_hook is not None
         byzantine = torch.tensor([u.sim_byzantine for u in accepted], dtype=torch.bool)
         clients = self._client_ids([u.node_id for u in accepted])
-        rewritten = self.update_hook(server_round, matrix.rows(), byzantine, clients)
+        rewritten = self.update_hook(RoundUpdates(server_round, matrix.rows(), byzantine, clients, server_update))
         indices = range(len(accepted)) if rewritten is None else sorted({int(i) for i in rewritten})
         failed = []
         for index in indices:

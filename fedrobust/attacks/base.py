@@ -28,10 +28,14 @@ class Attack:
     omniscient : bool
         ``True`` when the attack needs every honest update of the round (:meth:`craft`, simulation only);
         ``False`` when it runs inside a client (data, update and num-examples hooks, also in deployment).
+    needs_server_update : bool
+        ``True`` when the attack also needs the server's own update of the round, which only rules like
+        FLTrust compute: it crafts in :meth:`craft_round` only, given ``server_update``.
     """
 
     name: ClassVar[str] = "honest"
     omniscient: ClassVar[bool] = False
+    needs_server_update: ClassVar[bool] = False
 
     def poison_data(
         self, x: Tensor, y: Tensor, *, num_classes: int, generator: torch.Generator
@@ -123,7 +127,13 @@ class Attack:
         )
 
     def craft_round(
-        self, rows: Tensor, byzantine: Tensor, clients: Sequence[int], *, generator: torch.Generator
+        self,
+        rows: Tensor,
+        byzantine: Tensor,
+        clients: Sequence[int],
+        *,
+        generator: torch.Generator,
+        server_update: Tensor | None = None,
     ) -> Tensor:
         """Craft the Byzantine rows of one round seen whole (omniscient attacks only).
 
@@ -141,6 +151,9 @@ class Attack:
             The id of each row's client that the server's aggregator remembers clients by.
         generator : torch.Generator
             Source of every random draw.
+        server_update : Tensor or None
+            The server's own update of the round (``[d]``) where the rule uses one (FLTrust), else None;
+            an attacker with full knowledge of the server knows it.
 
         Returns
         -------

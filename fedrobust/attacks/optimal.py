@@ -214,7 +214,13 @@ class _Optimal(Attack):
         return self._search(honest, f, fresh)
 
     def craft_round(
-        self, rows: Tensor, byzantine: Tensor, clients: Sequence[int], *, generator: torch.Generator
+        self,
+        rows: Tensor,
+        byzantine: Tensor,
+        clients: Sequence[int],
+        *,
+        generator: torch.Generator,
+        server_update: Tensor | None = None,
     ) -> Tensor:
         """With ``memory``: search against the rule as the server runs it this round, its memory included.
 

@@ -62,6 +62,7 @@ CLIENT_CONFIGS = [(name, params) for name, params in CONFIGS if name in CLIENT]
 
 # One invalid value per parameter of every attack (a test checks that none is missing).
 INVALID: dict[str, list[tuple[str, object]]] = {
+    "fltrust_adaptive": [("steps", 0), ("steps", 1.5), ("steps", True)],
     "sign_flip": [("scale", 0.0), ("scale", -1.0), ("scale", True), ("start_round", -1), ("start_round", 2.0),
                   ("turn_rounds", 0)],
     "scaled": [("factor", math.nan), ("factor", -2.0)],
@@ -132,6 +133,22 @@ def honest_rows(seed: int = 0, h: int = H, shift: float = 1.0) -> Tensor:
     return torch.stack([flat(make_update(g, shift)) for _ in range(h)]).float()
 
 
+def server_update_for(honest: Tensor) -> Tensor:
+    """A server update near the honest rows' direction (FLTrust's root data agrees with them, roughly)."""
+    noise = torch.randn(honest.shape[1], generator=gen(99)).to(honest)
+    return honest.mean(dim=0) + NOISE * noise
+
+
+def craft(attack: Attack, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
+    """``attack.craft``; an attack that needs the server update crafts in ``craft_round``, given one."""
+    if not attack.needs_server_update:
+        return attack.craft(honest, f=f, generator=generator)
+    rows = torch.cat([honest, honest[:f]])
+    byzantine = torch.arange(rows.shape[0], device=rows.device) >= honest.shape[0]
+    clients = list(range(rows.shape[0]))
+    return attack.craft_round(rows, byzantine, clients, generator=generator, server_update=server_update_for(honest))
+
+
 def as_bytes(obj: object) -> object:
     """Byte-level view of attack outputs, so determinism checks compare exact bits (NaN included)."""
     if isinstance(obj, Tensor):
@@ -161,7 +178,7 @@ def exercise(attack: Attack, seed: int) -> list[object]:
     x, y = torch.randn(8, 3, generator=gen(1)), torch.arange(8) % 4
     out: list[object] = [attack.poison_data(x, y, num_classes=4, generator=g), attack.poison_num_examples(50)]
     if attack.omniscient:
-        out.append(attack.craft(honest_rows(seed), f=F, generator=g))
+        out.append(craft(attack, honest_rows(seed), f=F, generator=g))
     else:
         out.extend(run_client_rounds(attack, 3, seed))
     return out
@@ -283,19 +300,30 @@ def test_client_attack_has_no_omniscient_form(name: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_craft_shape_dtype_and_collusion(name: str, params: dict[str, object], dtype: torch.dtype) -> None:
     honest = honest_rows().to(dtype)
-    out = attacks.build(name, **params).craft(honest, f=F, generator=gen())
+    out = craft(attacks.build(name, **params), honest, f=F, generator=gen())
     assert (out.shape, out.dtype, out.device) == ((F, honest.shape[1]), dtype, honest.device)
     assert torch.isfinite(out).all()
     if params.get("noise"):
         assert (out[1:] != out[0]).any(dim=1).all()  # copies spread apart on purpose
     else:
         assert (out == out[0]).all()  # colluding: identical rows
-    assert attacks.build(name).craft(honest, f=0, generator=gen()).shape == (0, honest.shape[1])
+    assert craft(attacks.build(name), honest, f=0, generator=gen()).shape == (0, honest.shape[1])
 
 
 @pytest.mark.parametrize("name", OMNISCIENT)
 def test_craft_rejects_bad_input(name: str) -> None:
     attack = attacks.build(name)
+    if attack.needs_server_update:
+        with pytest.raises(ValueError, match=f"{name}.*needs the server's own update.*aggregator=fltrust"):
+            attack.craft(honest_rows(), f=F, generator=gen())
+        rows, byzantine = honest_rows(h=H + F), torch.arange(H + F) >= H
+        with pytest.raises(ValueError, match=f"{name}.*needs the server's own update"):
+            attack.craft_round(rows, byzantine, list(range(H + F)), generator=gen())
+        with pytest.raises(ValueError, match=f"{name}.*server update has shape"):
+            attack.craft_round(rows, byzantine, list(range(H + F)), generator=gen(), server_update=rows[0, :-1])
+        with pytest.raises(ValueError, match=name):
+            attack.craft_round(rows.long(), byzantine, list(range(H + F)), generator=gen(), server_update=rows[0])
+        return
     with pytest.raises(ValueError, match=name):
         attack.craft(honest_rows()[0], f=F, generator=gen())  # rank 1
     with pytest.raises(ValueError, match=name):
@@ -335,7 +363,7 @@ def test_client_attack_moves_plain_mean(name: str) -> None:
 @pytest.mark.parametrize("name", OMNISCIENT)
 def test_omniscient_attack_moves_plain_mean(name: str) -> None:
     honest = honest_rows(seed=11)
-    byz = attacks.build(name).craft(honest, f=F, generator=gen())
+    byz = craft(attacks.build(name), honest, f=F, generator=gen())
     assert shift_norm(torch.cat([honest, byz]).mean(0), honest.mean(0)) > MEASURABLE
 
 
@@ -619,8 +647,8 @@ def test_cuda_matches_cpu() -> None:
         attack_cpu, attack_gpu = attacks.build(name, **params), attacks.build(name, **params)
         if attack_cpu.omniscient:
             honest = honest_rows().double()
-            cpu = attack_cpu.craft(honest, f=F, generator=gen())
-            gpu = attack_gpu.craft(honest.cuda(), f=F, generator=gen())
+            cpu = craft(attack_cpu, honest, f=F, generator=gen())
+            gpu = craft(attack_gpu, honest.cuda(), f=F, generator=gen())
             assert gpu.device.type == "cuda", name
             torch.testing.assert_close(gpu.cpu(), cpu, msg=name)
             continue

@@ -7,6 +7,8 @@ row gains nothing from its size, and a round where nobody agrees with the server
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -131,6 +133,68 @@ def test_after_a_pre_aggregator_it_scores_the_mixed_rows() -> None:
 def test_optimal_attacks_refuse_a_rule_that_needs_the_server_update() -> None:
     with pytest.raises(ValueError, match="optimal_alie.*needs no server update, got 'fltrust'"):
         attacks.build("optimal_alie", rule="fltrust")
+
+
+def adaptive_move(honest: Tensor, g0: Tensor, byzantine: Tensor) -> float:
+    """How far ``byzantine`` rows move FLTrust's output against its changing direction: ``s . (g - g')``."""
+    before = fltrust(honest, g0)
+    after = fltrust(torch.cat([honest, byzantine.to(honest.dtype)]), g0)
+    return float(torch.sign(before) @ (before - after))
+
+
+def in_plane(g0: Tensor, s: Tensor, rho: float) -> Tensor:
+    """``||g0|| (rho u + sqrt(1 - rho^2) w)``: the unit ``u`` along g0, ``w`` opposite to s across it."""
+    u = g0 / g0.norm()
+    across = s - (s @ u) * u
+    w = -across / across.norm()
+    return g0.norm() * (rho * u + math.sqrt(1 - rho * rho) * w)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_adaptive_attack_is_trusted_and_beats_every_other_row_it_could_send(seed: int) -> None:
+    honest, g0 = honest_round(seed)
+    attack = attacks.build("fltrust_adaptive")
+    byz = attack.against(honest, g0, f=F)
+    assert byz.shape == (F, D) and bool((byz == byz[0]).all())
+    torch.testing.assert_close(byz[0].norm(), g0.norm())  # FLTrust rescales to ||g0|| anyway
+    rho = float(torch.nn.functional.cosine_similarity(byz[0], g0, dim=0))
+    assert 0 < rho < 1  # trusted, and turned away from the server's direction
+    move = adaptive_move(honest, g0, byz)
+    assert move > 0.05 * float(fltrust(honest, g0).abs().sum())  # a real move: 5% of the output's L1 norm
+    # Every turn in the plane, on a grid five times finer than the attack's: none moves FLTrust farther.
+    s = torch.sign(fltrust(honest, g0))
+    best_in_plane = max(adaptive_move(honest, g0, in_plane(g0, s, r / 5000)[None].repeat(F, 1)) for r in
+                        range(1, 5001, 7))
+    assert move >= best_in_plane * (1 - 1e-6)
+    # Nor does any trusted row off that plane, nor the rows that reverse the update (trust 0: no move).
+    g = torch.Generator().manual_seed(100 + seed)
+    for _ in range(50):
+        e = torch.randn(D, generator=g, dtype=torch.float64)
+        e = e if e @ g0 > 0 else -e
+        assert adaptive_move(honest, g0, (g0.norm() * e / e.norm())[None].repeat(F, 1)) < move
+    assert adaptive_move(honest, g0, -4.0 * honest[:F]) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_adaptive_attack_needs_the_server_update() -> None:
+    honest, g0 = honest_round()
+    attack = attacks.build("fltrust_adaptive")
+    rows, byzantine = torch.cat([honest, honest[:F]]), torch.arange(N) >= N - F
+    crafted = attack.craft_round(rows, byzantine, list(range(N)), generator=torch.Generator(), server_update=g0)
+    assert torch.equal(crafted, attack.against(honest, g0, f=F))
+    with pytest.raises(ValueError, match="fltrust_adaptive.*needs the server's own update.*aggregator=fltrust"):
+        attack.craft_round(rows, byzantine, list(range(N)), generator=torch.Generator())
+    assert bool((attack.against(honest, 0 * g0, f=F) == 0).all())  # g0 = 0: FLTrust trusts nothing
+
+
+def test_a_config_with_the_adaptive_attack_and_a_rule_without_server_update_is_refused() -> None:
+    from fedrobust.config import ConfigError, from_flat
+    from fedrobust.run_setup import validate
+
+    cfg = {"attack.name": "fltrust_adaptive", "num_byzantine": 2}
+    validate(from_flat({**cfg, "aggregator.name": "fltrust"}))
+    with pytest.raises(ConfigError, match="attack.name=fltrust_adaptive: needs the server's own update .*"
+                                          "median does not compute.*aggregator=fltrust"):
+        validate(from_flat({**cfg, "aggregator.name": "nnm+median"}))
 
 
 # --------------------------------------------------------------------------- the server's side

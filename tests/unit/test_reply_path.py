@@ -24,7 +24,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedrobust import aggregators, signing
 from fedrobust.server_optim import NAMES, ServerOptimizer
 from fedrobust.strategies.replies import MALFORMED_REPLY
-from fedrobust.strategies.robust_strategy import RobustStrategy
+from fedrobust.strategies.robust_strategy import RobustStrategy, RoundUpdates
 from fedrobust.tensors import flatten, float_keys, unflatten
 
 N = 9
@@ -280,11 +280,13 @@ def test_a_process_ending_right_after_configure_train_exits_cleanly() -> None:
 def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
     seen = {}
 
-    def hook(server_round: int, rows: torch.Tensor, byzantine: torch.Tensor, clients: list[int]) -> list[int]:
-        seen["byzantine"] = byzantine.tolist()
-        seen["clients"] = clients
-        rows[0] = float("nan")  # rejected when rechecked
-        rows[1] = 0.0  # accepted: an all-zero update
+    def hook(updates: RoundUpdates) -> list[int]:
+        seen["round"] = updates.round
+        seen["byzantine"] = updates.byzantine.tolist()
+        seen["clients"] = updates.clients
+        seen["server_update"] = updates.server_update  # the mean needs none
+        updates.rows[0] = float("nan")  # rejected when rechecked
+        updates.rows[1] = 0.0  # accepted: an all-zero update
         return [0, 1]
 
     strategy = RobustStrategy(aggregator="mean", num_byzantine=0, min_train_nodes=3, progress=False, update_hook=hook)
@@ -296,7 +298,8 @@ def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
         metrics = MetricRecord({"num-examples": 10, "sim-byzantine": int(i < 2)})
         replies.append(Message(RecordDict({"arrays": ArrayRecord(s), "metrics": metrics}), reply_to=m))
     outcome = strategy.aggregate_round(1, replies)
-    assert seen["byzantine"] == [True, True, False, False]
+    assert seen["round"] == 1 and seen["byzantine"] == [True, True, False, False]
+    assert seen["server_update"] is None
     assert seen["clients"] == [100, 101, 102, 103]  # no partitions known: the node ids
     assert [(e["node"], e["reason"]) for e in outcome.rejected_nodes] == [(100, "non_finite")]
     assert outcome.accepted == [101, 102, 103]
@@ -306,6 +309,43 @@ def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
     expected = torch.cat([state[k].reshape(-1) for k in keys]) + mean
     got = outcome.arrays.to_torch_state_dict()
     torch.testing.assert_close(torch.cat([got[k].reshape(-1) for k in keys]), expected, rtol=2e-6, atol=2e-7)
+
+
+def test_update_hook_sees_the_server_update_the_rule_gets_computed_once() -> None:
+    state = _global()
+    keys = float_keys(state)
+    calls = []
+
+    def server_update_fn(server_round: int, global_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        calls.append(server_round)
+        return {k: 0.01 * torch.ones_like(v) * (i + 1) if v.is_floating_point() else v for i, (k, v) in
+                enumerate(global_state.items())}
+
+    seen = {}
+
+    def hook(updates: RoundUpdates) -> list[int]:
+        assert updates.server_update is not None
+        seen["server_update"] = updates.server_update.clone()
+        return []
+
+    strategy = RobustStrategy(
+        aggregator="fltrust", num_byzantine=1, min_train_nodes=3, progress=False, update_hook=hook,
+        server_update_fn=server_update_fn,
+    )
+    instructions = _instructions(strategy, state, 4, 1)
+    local = _locals(state, 4, 1)
+    replies = [
+        Message(RecordDict({"arrays": ArrayRecord(s), "metrics": MetricRecord({"num-examples": 10})}), reply_to=m)
+        for m, s in zip(instructions, local, strict=True)
+    ]
+    outcome = strategy.aggregate_round(1, replies)
+    assert outcome.aggregated and calls == [1]
+    expected = flatten([server_update_fn(1, state)], keys)[0]
+    torch.testing.assert_close(seen["server_update"], expected, rtol=0, atol=0)
+    # The rule got that very vector: its trust scores are those of the rows against it.
+    rows = flatten([{k: s[k] - state[k] for k in keys} for s in local], keys).double()
+    cos = torch.nn.functional.cosine_similarity(rows, expected.double()[None], dim=1).clamp(min=0)
+    torch.testing.assert_close(strategy.aggregator.rule.last_trust, cos, rtol=1e-5, atol=1e-6)
 
 
 def test_signature_digest_of_numpy_views_equals_that_of_torch_tensors() -> None:
