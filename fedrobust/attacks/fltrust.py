@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from fedrobust.attacks.base import Attack, check_int
+from fedrobust.attacks.base import Attack, check_choice, check_int
 from fedrobust.attacks.omniscient import _check_input, _repeat
 
 __all__ = ["FLTrustAdaptive"]
@@ -42,7 +42,9 @@ class FLTrustAdaptive(Attack):
     objective is a ratio of sums over the rows with one term per row (each row's best ``rho`` solves
     the same one-dimensional problem).
 
-    ``s = sign(g)``, the sign of the honest rows' mean where no honest row is trusted. The attack needs
+    ``s = sign(g)`` (``direction="sign"``, the paper's; the sign of the honest rows' mean where no honest
+    row is trusted), or ``s = g`` itself (``direction="update"``): the first weighs every coordinate
+    alike, the second by how far the honest aggregate moves it, which is what costs the model progress. The attack needs
     ``g0``: :meth:`craft_round` takes it as ``server_update`` (the simulation's adversary passes the one
     the server computed for the round), and :meth:`craft`, without it, raises.
 
@@ -50,6 +52,8 @@ class FLTrustAdaptive(Attack):
     ----------
     steps : int, default 1000
         Points of the search over ``rho``.
+    direction : {"sign", "update"}, default "sign"
+        The changing direction ``s`` the rows move the aggregate against.
 
     References
     ----------
@@ -62,9 +66,11 @@ class FLTrustAdaptive(Attack):
     omniscient: ClassVar[bool] = True
     needs_server_update: ClassVar[bool] = True
     steps: int = 1000
+    direction: str = "sign"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", check_int(self.name, "steps", self.steps, low=1))
+        check_choice(self.name, "direction", self.direction, ("sign", "update"))
 
     def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
         raise ValueError(self._needs_server_update())
@@ -101,7 +107,8 @@ class FLTrustAdaptive(Attack):
         total = float(trust.sum())
         trusted = (trust * g0_norm / norms.clamp_min(torch.finfo(torch.float64).tiny)) @ x  # A
         before = trusted / total if total > 0 else torch.zeros_like(u)  # FLTrust's output on the honest rows
-        s = torch.sign(before if total > 0 else x.mean(dim=0))
+        changing = before if total > 0 else x.mean(dim=0)
+        s = torch.sign(changing) if self.direction == "sign" else changing
         along = float(s @ u)
         across = s - along * u
         across_norm = float(across.norm())

@@ -55,6 +55,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("optimal_ipm", {"rule": "centered_clipping", "rule_f": 2, "rule_params": {"tau": "auto"}}),
     ("optimal_fang", {"rule": "median", "max_scale": 3.0, "grid": 4, "refine": 2}),
     ("optimal_mix", {"rule": "trimmed_mean", "grid": 3, "refine": 1}),
+    ("fltrust_adaptive", {"direction": "update", "steps": 50}),
     ("backdoor", {"boost": 5.0, "value": 3.0, "target": 3}),
 ]
 CONFIGS = [(name, {}) for name in attacks.names()] + VARIANTS
@@ -62,7 +63,7 @@ CLIENT_CONFIGS = [(name, params) for name, params in CONFIGS if name in CLIENT]
 
 # One invalid value per parameter of every attack (a test checks that none is missing).
 INVALID: dict[str, list[tuple[str, object]]] = {
-    "fltrust_adaptive": [("steps", 0), ("steps", 1.5), ("steps", True)],
+    "fltrust_adaptive": [("steps", 0), ("steps", 1.5), ("steps", True), ("direction", "both")],
     "sign_flip": [("scale", 0.0), ("scale", -1.0), ("scale", True), ("start_round", -1), ("start_round", 2.0),
                   ("turn_rounds", 0)],
     "scaled": [("factor", math.nan), ("factor", -2.0)],

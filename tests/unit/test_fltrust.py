@@ -135,11 +135,16 @@ def test_optimal_attacks_refuse_a_rule_that_needs_the_server_update() -> None:
         attacks.build("optimal_alie", rule="fltrust")
 
 
-def adaptive_move(honest: Tensor, g0: Tensor, byzantine: Tensor) -> float:
+def changing_direction(honest: Tensor, g0: Tensor, direction: str) -> Tensor:
+    before = fltrust(honest, g0)
+    return torch.sign(before) if direction == "sign" else before
+
+
+def adaptive_move(honest: Tensor, g0: Tensor, byzantine: Tensor, direction: str = "sign") -> float:
     """How far ``byzantine`` rows move FLTrust's output against its changing direction: ``s . (g - g')``."""
     before = fltrust(honest, g0)
     after = fltrust(torch.cat([honest, byzantine.to(honest.dtype)]), g0)
-    return float(torch.sign(before) @ (before - after))
+    return float(changing_direction(honest, g0, direction) @ (before - after))
 
 
 def in_plane(g0: Tensor, s: Tensor, rho: float) -> Tensor:
@@ -150,29 +155,31 @@ def in_plane(g0: Tensor, s: Tensor, rho: float) -> Tensor:
     return g0.norm() * (rho * u + math.sqrt(1 - rho * rho) * w)
 
 
+@pytest.mark.parametrize("direction", ["sign", "update"])
 @pytest.mark.parametrize("seed", range(3))
-def test_adaptive_attack_is_trusted_and_beats_every_other_row_it_could_send(seed: int) -> None:
+def test_adaptive_attack_is_trusted_and_beats_every_other_row_it_could_send(seed: int, direction: str) -> None:
     honest, g0 = honest_round(seed)
-    attack = attacks.build("fltrust_adaptive")
+    attack = attacks.build("fltrust_adaptive", direction=direction)
     byz = attack.against(honest, g0, f=F)
     assert byz.shape == (F, D) and bool((byz == byz[0]).all())
     torch.testing.assert_close(byz[0].norm(), g0.norm())  # FLTrust rescales to ||g0|| anyway
     rho = float(torch.nn.functional.cosine_similarity(byz[0], g0, dim=0))
     assert 0 < rho < 1  # trusted, and turned away from the server's direction
-    move = adaptive_move(honest, g0, byz)
-    assert move > 0.05 * float(fltrust(honest, g0).abs().sum())  # a real move: 5% of the output's L1 norm
+    move = adaptive_move(honest, g0, byz, direction)
+    s = changing_direction(honest, g0, direction)
+    assert move > 0.05 * float(s.abs() @ fltrust(honest, g0).abs())  # a real move: 5% of s . g
     # Every turn in the plane, on a grid five times finer than the attack's: none moves FLTrust farther.
-    s = torch.sign(fltrust(honest, g0))
-    best_in_plane = max(adaptive_move(honest, g0, in_plane(g0, s, r / 5000)[None].repeat(F, 1)) for r in
-                        range(1, 5001, 7))
-    assert move >= best_in_plane * (1 - 1e-6)
+    turns = [in_plane(g0, s, r / 5000)[None].repeat(F, 1) for r in range(1, 5001, 7)]
+    assert move >= max(adaptive_move(honest, g0, t, direction) for t in turns) * (1 - 1e-6)
     # Nor does any trusted row off that plane, nor the rows that reverse the update (trust 0: no move).
     g = torch.Generator().manual_seed(100 + seed)
     for _ in range(50):
         e = torch.randn(D, generator=g, dtype=torch.float64)
         e = e if e @ g0 > 0 else -e
-        assert adaptive_move(honest, g0, (g0.norm() * e / e.norm())[None].repeat(F, 1)) < move
-    assert adaptive_move(honest, g0, -4.0 * honest[:F]) == pytest.approx(0.0, abs=1e-9)
+        assert adaptive_move(honest, g0, (g0.norm() * e / e.norm())[None].repeat(F, 1), direction) < move
+    assert adaptive_move(honest, g0, -4.0 * honest[:F], direction) == pytest.approx(0.0, abs=1e-9)
+    if direction == "update":  # another objective, another row
+        assert not torch.equal(byz, attacks.build("fltrust_adaptive").against(honest, g0, f=F))
 
 
 def test_adaptive_attack_needs_the_server_update() -> None:
