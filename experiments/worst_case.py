@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.study import OK, PARTITIONS, load_results
+from fedrobust import aggregators
+from fedrobust import attacks as attack_registry
 from fedrobust.config import AggregatorConfig
 
 CLEAN_RULE, CLEAN_ATTACK = "mean", "none"
@@ -174,6 +176,19 @@ class WorstCase:
         return max(self.terms)[1]
 
 
+def applies(rule: str, attack: str) -> bool:
+    """Whether ``attack`` (a label, ``name (param=value, ...)``) can be run against ``rule`` at all.
+
+    An attack written against the server's own update (FLTrust's adaptive attack) has nothing to attack in
+    a rule that computes none: such a cell is not applicable, not missing. (The tuned attacks, which do
+    not model FLTrust's update, stay missing there: that is an attack not built.)
+    """
+    name, last = attack.split(" (")[0], rule.split("+")[-1]
+    if name not in attack_registry.names() or not attack_registry.build(name).needs_server_update:
+        return True
+    return last not in aggregators.names() or aggregators.build(last, f=0).needs_server_update
+
+
 def worst_cases(table: dict[tuple[str, str, str], Cell], *, include_mean: bool = False) -> list[WorstCase]:
     """Every rule's worst case, best (lowest score) first. Needs clean FedAvg (mean, none) per partition.
 
@@ -193,7 +208,7 @@ def worst_cases(table: dict[tuple[str, str, str], Cell], *, include_mean: bool =
             ran = {a: table[(p, rule, a)] for a in attacks if (p, rule, a) in table}
             if not ran:
                 continue
-            missing[p] = [a for a in attacks if a not in ran and a != CLEAN_ATTACK]
+            missing[p] = [a for a in attacks if a not in ran and a != CLEAN_ATTACK and applies(rule, a)]
             worst = max(ran, key=lambda a: clean.accuracy - ran[a].accuracy)
             gap[p] = (clean.accuracy - ran[worst].accuracy, worst)
             goal = GOAL_GAP.get(p, GOAL_GAP["dirichlet"])
@@ -370,7 +385,8 @@ def section(
         ]
         for case in cases:
             row = [
-                _pts(clean - table[(p, case.rule, a)].accuracy) if (p, case.rule, a) in table else "–"
+                _pts(clean - table[(p, case.rule, a)].accuracy) if (p, case.rule, a) in table
+                else "–" if applies(case.rule, a) else "n/a"
                 for a in attacks[p]
             ]
             lines.append(f"| {case.rule} | " + " | ".join(row) + " |")

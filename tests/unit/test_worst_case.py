@@ -71,6 +71,23 @@ def test_section_names_the_default_and_the_broken_mean(tmp_path: Path) -> None:
     assert figure.stat().st_size > 0
 
 
+def test_an_attack_on_the_server_update_is_not_applicable_to_rules_without_one(tmp_path: Path) -> None:
+    runs = []
+    for p in ("iid", "dirichlet"):
+        runs += [_run(p, "mean", "none", s, 0.96) for s in (0, 1)]
+        runs += [_run(p, r, a, s, 0.95) for r in ("trimmed_mean", "fltrust") for a in ("none", "min_max")
+                 for s in (0, 1)]
+        runs += [_run(p, "fltrust", "fltrust_adaptive", s, 0.90) for s in (0, 1)]
+    dirs = [_write(tmp_path / "d", runs)]
+    cases = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(worst_case.labelled_results(dirs)))}
+    assert cases["trimmed_mean"].missing == {"iid": [], "dirichlet": []}  # nothing to attack there
+    assert cases["fltrust"].gap["iid"] == (pytest.approx(0.06), "fltrust_adaptive")
+    text = "\n".join(worst_case.section(dirs))
+    assert "| trimmed_mean | n/a | 1.0 | 1.0 |" in text and "not run under" not in text
+    assert worst_case.applies("winsorize+fltrust", "fltrust_adaptive (direction=update)")
+    assert worst_case.applies("median", "min_max") and not worst_case.applies("nnm+median", "fltrust_adaptive")
+
+
 def test_no_clean_fedavg_is_an_error_that_says_which(tmp_path: Path) -> None:
     directory = _write(tmp_path / "d", [_run("iid", "steady", "none", 0, 0.9)])
     table = worst_case.cells(worst_case.labelled_results([directory]))
