@@ -714,9 +714,11 @@ class RobustStrategy(Strategy):
         global_state = self._global
         assert global_state is not None
         # Before the hook: a simulated adversary with full knowledge sees the server update the rule gets.
-        server_update = None
+        server_update, server_update_seconds = None, 0.0
         if self.aggregator.needs_server_update and accepted:
+            began = time.perf_counter()
             server_update = self._server_update(server_round, global_state, matrix)
+            server_update_seconds = time.perf_counter() - began  # counted in the round's aggregation time
         if self.update_hook is not None and accepted:
             accepted = self._run_hook(server_round, accepted, matrix, outcome, server_update)
         outcome.accepted = [u.node_id for u in accepted]
@@ -752,7 +754,7 @@ class RobustStrategy(Strategy):
         # Views on the step's vector (converted copies for non-float32 tensors); the ArrayRecord copies once.
         new_state = {**global_state, **matrix.unflatten(stepped)}
         outcome.arrays = ArrayRecord(new_state)
-        outcome.seconds_aggregate = time.perf_counter() - start
+        outcome.seconds_aggregate = time.perf_counter() - start + server_update_seconds
         outcome.aggregated = True
         return outcome
 

@@ -103,9 +103,10 @@ class FLTrustAdaptive(Attack):
             return honest.new_zeros((f, d))
         u = g0 / g0_norm
         norms = x.norm(dim=1)
-        trust = torch.where(norms > 0, (x @ u) / norms.clamp_min(torch.finfo(torch.float64).tiny), 0.0).clamp(0, 1)
+        safe_norms = norms.clamp_min(torch.finfo(torch.float64).tiny)  # zero rows get trust 0 below
+        trust = torch.where(norms > 0, (x @ u) / safe_norms, 0.0).clamp(0, 1)
         total = float(trust.sum())
-        trusted = (trust * g0_norm / norms.clamp_min(torch.finfo(torch.float64).tiny)) @ x  # A
+        trusted = (trust * g0_norm / safe_norms) @ x  # A: the honest rows, rescaled and weighted by trust
         before = trusted / total if total > 0 else torch.zeros_like(u)  # FLTrust's output on the honest rows
         changing = before if total > 0 else x.mean(dim=0)
         s = torch.sign(changing) if self.direction == "sign" else changing
