@@ -32,7 +32,7 @@ from fedrobust.attacks.client import (
 from fedrobust.attacks.fang import FangKrum, FangTrimmedMean
 from fedrobust.attacks.fltrust import FLTrustAdaptive
 from fedrobust.attacks.omniscient import ALIE, IPM, Mimic, MinMax, MinSum, alie_z
-from fedrobust.attacks.optimal import OptimalALIE, OptimalFang, OptimalIPM, OptimalMix
+from fedrobust.attacks.optimal import OptimalALIE, OptimalFang, OptimalIPM, OptimalMix, OptimalSearch
 
 __all__ = ["Attack", "alie_z", "build", "client_names", "names", "omniscient_names"]
 
@@ -41,7 +41,7 @@ _REGISTRY: dict[str, type[Attack]] = {
     for cls in (
         SignFlip, Scaled, Gaussian, Zero, NaNFill, InfFill, LabelFlip, RandomUniform, Malformed, Stale,
         LyingWeight, ALIE, IPM, Mimic, MinMax, MinSum, FangKrum, FangTrimmedMean, OptimalALIE, OptimalIPM,
-        OptimalFang, OptimalMix, FLTrustAdaptive, Backdoor,
+        OptimalFang, OptimalMix, OptimalSearch, FLTrustAdaptive, Backdoor,
     )
 }
 

@@ -32,7 +32,7 @@ from fedrobust import aggregators
 from fedrobust.attacks.base import Attack, _fail, check_int, check_real
 from fedrobust.attacks.omniscient import _centre, _check_input, _repeat, alie_z
 
-__all__ = ["OptimalALIE", "OptimalFang", "OptimalIPM", "OptimalMix", "maximize_scale"]
+__all__ = ["OptimalALIE", "OptimalFang", "OptimalIPM", "OptimalMix", "OptimalSearch", "maximize_scale"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,22 +182,32 @@ class _Optimal(Attack):
         base, direction = self._line(honest)
         return [(base, direction, self._default(honest, f))]
 
-    def _search(self, honest: Tensor, f: int, aggregate: Callable[[Tensor], Tensor]) -> Tensor:
-        """The ``f`` rows on the attack's lines whose ``aggregate(rows)`` lands farthest from the honest mean."""
+    def _on_line(
+        self, honest: Tensor, f: int, aggregate: Callable[[Tensor], Tensor], line: tuple[Tensor, Tensor, float]
+    ) -> tuple[float, Tensor]:
+        """``(how far the rule moves, the row)`` at the best scale along one line."""
+        base, direction, default = line
         target = honest.mean(dim=0)
+
+        def objective(scale: float) -> float:
+            out = aggregate(_repeat(base + scale * direction, f))
+            return float(torch.linalg.vector_norm((out - target).double()))
+
+        scale, value = maximize_scale(
+            objective, default=default, max_scale=self.max_scale, grid=self.grid, refine=self.refine
+        )
+        logger.debug("%s against %s: scale=%.6g moves it by %.6g", self.name, self.rule, scale, value)
+        return value, base + scale * direction
+
+    def _search(
+        self, honest: Tensor, f: int, aggregate: Callable[[Tensor], Tensor], generator: torch.Generator
+    ) -> Tensor:
+        """The ``f`` rows on the attack's lines whose ``aggregate(rows)`` lands farthest from the honest mean."""
         best: tuple[float, Tensor] | None = None
-        for base, direction, default in self._lines(honest, f):
-
-            def objective(scale: float) -> float:
-                out = aggregate(_repeat(base + scale * direction, f))  # noqa: B023 (called in this iteration)
-                return float(torch.linalg.vector_norm((out - target).double()))
-
-            scale, value = maximize_scale(
-                objective, default=default, max_scale=self.max_scale, grid=self.grid, refine=self.refine
-            )
-            logger.debug("%s against %s: scale=%.6g moves it by %.6g", self.name, self.rule, scale, value)
+        for line in self._lines(honest, f):
+            value, row = self._on_line(honest, f, aggregate, line)
             if best is None or value > best[0]:  # ties keep the first line
-                best = (value, base + scale * direction)
+                best = (value, row)
         assert best is not None
         return _repeat(best[1], f)
 
@@ -211,7 +221,7 @@ class _Optimal(Attack):
         def fresh(byzantine: Tensor) -> Tensor:
             return self._rule(rule_f)(torch.cat([honest, byzantine]))
 
-        return self._search(honest, f, fresh)
+        return self._search(honest, f, fresh, generator)
 
     def craft_round(
         self,
@@ -254,7 +264,7 @@ class _Optimal(Attack):
             placed[index] = candidate.to(rows.dtype)
             return pipeline(placed, clients=ids)
 
-        crafted = self._search(honest, f, with_memory)
+        crafted = self._search(honest, f, with_memory, generator)
         with_memory(crafted)  # the server's memory moves on with the rows it is about to aggregate
         self._memory["state"] = _cloned(pipeline.state_dict())
         return crafted
@@ -445,17 +455,137 @@ class OptimalMix(_Optimal):
     name: ClassVar[str] = "optimal_mix"
 
     def _lines(self, honest: Tensor, f: int) -> list[tuple[Tensor, Tensor, float]]:
+        return _mix_lines(honest)
+
+
+def _tuned_directions(honest: Tensor) -> list[Tensor]:
+    """The unit directions of ALIE (``-sigma``), IPM (``-mean``) and Fang (``e - mean``), where not zero."""
+    mu, _, sigma = _centre(honest)
+    extreme = torch.where(mu > 0, honest.min(dim=0).values, honest.max(dim=0).values)
+    return [v / torch.linalg.vector_norm(v) for v in (-sigma, -mu, extreme - mu) if bool(v.any())]
+
+
+def _mix_lines(honest: Tensor) -> list[tuple[Tensor, Tensor, float]]:
+    """``optimal_mix``'s lines: from the mean along each tuned direction, each pair's mean and all three's."""
+    mu, _, sigma = _centre(honest)
+    unit = torch.linalg.vector_norm(sigma)
+    directions = _tuned_directions(honest)
+    mixes = [[i] for i in range(len(directions))]
+    mixes += [[i, j] for i in range(len(directions)) for j in range(i + 1, len(directions))]
+    mixes += [list(range(len(directions)))] if len(directions) > 2 else []
+    lines = []
+    for mix in mixes:
+        v = torch.stack([directions[i] for i in mix]).sum(dim=0)
+        norm = torch.linalg.vector_norm(v)
+        if norm > 0:
+            lines.append((mu, v * (unit / norm), 1.0))
+    return lines or [(mu, torch.zeros_like(mu), 0.0)]
+
+
+@dataclass(frozen=True)
+class OptimalSearch(_Optimal):
+    """A search over the direction as well as the scale, against ``rule``: the rows that move its output
+    farthest from the honest mean among ``optimal_mix``'s seven lines and lines in a wider span.
+
+    The span is that of the three tuned directions (ALIE's, IPM's, Fang's) and the honest rows' top
+    ``components`` principal directions (where honest rows differ most, so where a row can go far and
+    still look like one of them). After ``optimal_mix``'s lines it tries ``directions`` random lines in
+    that span (Gaussian coefficients from the round's generator), then ``local`` steps from the best
+    line so far: a random step of the direction's coefficients, kept when the rule moves farther, the
+    step shrunk (x0.7) when not. Each line's scale is searched as in the other tuned attacks, every line
+    scaled to the norm of the honest standard deviation (``t = 1`` always a candidate). The result moves
+    the rule at least as far as ``optimal_mix`` with the same grid; it costs ``7 + directions + local``
+    times the aggregations of one tuned attack.
+
+    Parameters
+    ----------
+    rule : str, default "consistency+direction+dedup+winsorize+nnm+trimmed_mean"
+        Registered aggregation rule, or ``+``-joined pipeline, the server is assumed to run.
+    rule_f : int or None, default None
+        The rule's ``f``; ``None`` means the number of Byzantine rows of the round.
+    rule_params : dict, default {}
+        The rule's parameters.
+    rule_pre_params : dict, default {}
+        Parameters of the pipeline's pre-aggregators, by stage name (as ``aggregator.pre_params``);
+        the simulation fills them from the server's configuration when ``memory`` is on.
+    max_scale : float, default 10.0
+        Largest ``t`` searched on each line.
+    grid : int, default 11
+        Evenly spaced ``t`` values evaluated on ``[0, max_scale]`` (at least 2).
+    refine : int, default 8
+        Golden-section steps around the best grid value.
+    memory : bool, default False
+        Search against the rule with the state the server's has this round (a copy of the server's
+        pipeline fed the same rows, in simulation), instead of a rule built afresh.
+    components : int, default 3
+        Top principal directions of the honest rows added to the span.
+    directions : int, default 16
+        Random lines tried in the span.
+    local : int, default 16
+        Steps of the local search from the best line.
+
+    References
+    ----------
+    Shejwalkar, Houmansadr (NDSS 2021) for tailoring the attack to the known rule; the directions as in
+    ``optimal_mix``.
+    """
+
+    name: ClassVar[str] = "optimal_search"
+    components: int = 3
+    directions: int = 16
+    local: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for param in ("components", "directions", "local"):
+            check_int(self.name, param, getattr(self, param), low=0)
+
+    def _span(self, honest: Tensor) -> Tensor:
+        """``[d, k]`` orthonormal columns (float64) spanning the tuned directions and top components."""
+        mu = honest.mean(dim=0)
+        vectors = [v.double() for v in _tuned_directions(honest)]
+        if self.components:
+            _, singular, vh = torch.linalg.svd((honest - mu).double(), full_matrices=False)
+            keep = singular > singular[0] * 1e-6 if singular.numel() else singular.bool()
+            vectors += list(vh[keep][: self.components])
+        if not vectors:
+            return torch.zeros((honest.shape[1], 0), dtype=torch.float64, device=honest.device)
+        q, r = torch.linalg.qr(torch.stack(vectors, dim=1))
+        independent = r.diagonal().abs() > 1e-9
+        return q[:, independent]
+
+    def _search(
+        self, honest: Tensor, f: int, aggregate: Callable[[Tensor], Tensor], generator: torch.Generator
+    ) -> Tensor:
         mu, _, sigma = _centre(honest)
         unit = torch.linalg.vector_norm(sigma)
-        extreme = torch.where(mu > 0, honest.min(dim=0).values, honest.max(dim=0).values)
-        directions = [v / torch.linalg.vector_norm(v) for v in (-sigma, -mu, extreme - mu) if bool(v.any())]
-        mixes = [[i] for i in range(len(directions))]
-        mixes += [[i, j] for i in range(len(directions)) for j in range(i + 1, len(directions))]
-        mixes += [list(range(len(directions)))] if len(directions) > 2 else []
-        lines = []
-        for mix in mixes:
-            v = torch.stack([directions[i] for i in mix]).sum(dim=0)
-            norm = torch.linalg.vector_norm(v)
-            if norm > 0:
-                lines.append((mu, v * (unit / norm), 1.0))
-        return lines or [(mu, torch.zeros_like(mu), 0.0)]
+        span = self._span(honest)
+        k = span.shape[1]
+
+        def try_line(line: tuple[Tensor, Tensor, float]) -> tuple[float, Tensor, Tensor]:
+            value, row = self._on_line(honest, f, aggregate, line)
+            return value, row, span.T @ line[1].double()  # the line's coefficients in the span
+
+        def along(coefficients: Tensor) -> tuple[Tensor, Tensor, float]:
+            v = span @ coefficients
+            return mu, (v * (unit / torch.linalg.vector_norm(v))).to(honest.dtype), 1.0
+
+        best = max((try_line(line) for line in _mix_lines(honest)), key=lambda t: t[0])  # first on ties
+        if k == 0 or not bool(best[2].any()):
+            return _repeat(best[1], f)
+        for _ in range(self.directions):
+            c = torch.randn(k, generator=generator, dtype=torch.float64).to(span.device)
+            candidate = try_line(along(c))
+            if candidate[0] > best[0]:
+                best = candidate
+        step = 0.5
+        for _ in range(self.local):
+            c = best[2] / torch.linalg.vector_norm(best[2])
+            c = c + step * torch.randn(k, generator=generator, dtype=torch.float64).to(span.device)
+            candidate = try_line(along(c))
+            if candidate[0] > best[0]:
+                best = candidate
+            else:
+                step *= 0.7
+        logger.debug("%s against %s: best line moves it by %.6g", self.name, self.rule, best[0])
+        return _repeat(best[1], f)

@@ -55,6 +55,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("optimal_ipm", {"rule": "centered_clipping", "rule_f": 2, "rule_params": {"tau": "auto"}}),
     ("optimal_fang", {"rule": "median", "max_scale": 3.0, "grid": 4, "refine": 2}),
     ("optimal_mix", {"rule": "trimmed_mean", "grid": 3, "refine": 1}),
+    ("optimal_search", {"rule": "median", "grid": 3, "refine": 1, "directions": 2, "local": 2, "components": 1}),
     ("fltrust_adaptive", {"direction": "update", "steps": 50}),
     ("backdoor", {"boost": 5.0, "value": 3.0, "target": 3}),
 ]
@@ -99,6 +100,10 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "optimal_mix": [
         ("rule", "mean+nnm"), ("rule_f", "2"), ("rule_params", {"k": 1}), ("rule_pre_params", {"nnm": None}),
         ("max_scale", math.inf), ("grid", -3), ("refine", None), ("memory", 1),
+    ],
+    "optimal_search": [
+        ("rule", "nnm"), ("rule_f", 1.0), ("rule_params", []), ("rule_pre_params", {"x": {}}), ("max_scale", -2.0),
+        ("grid", 1), ("refine", -1), ("memory", None), ("components", -1), ("directions", 2.5), ("local", True),
     ],
     "optimal_fang": [
         ("rule", "fltrust"), ("rule_f", -2), ("rule_params", None), ("max_scale", -1.0), ("grid", 0),
@@ -777,7 +782,7 @@ def _round_rows(round_: int, h: int = 16, f: int = F) -> tuple[Tensor, Tensor]:
     return rows, byzantine
 
 
-@pytest.mark.parametrize("name", ["optimal_fang", "optimal_alie", "optimal_ipm"])
+@pytest.mark.parametrize("name", ["optimal_fang", "optimal_alie", "optimal_ipm", "optimal_search"])
 def test_optimal_attack_with_memory_keeps_the_server_state(name: str) -> None:
     # The attacker's copy of the pipeline must hold the server's state after every round, or its
     # search would be against another rule than the one the server runs.
@@ -923,6 +928,37 @@ def test_optimal_mix_moves_the_rule_at_least_as_far_as_any_grid_point_of_its_lin
         )
         for t in (0.0, 2.0, 4.0, 6.0, 8.0, 10.0):
             assert reached >= rule_shift(rule, F, honest, (base + t * direction).expand(F, -1)) * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("rule", ["trimmed_mean", "krum", "signguard", DEFAULT_RULE])
+def test_optimal_search_moves_the_rule_at_least_as_far_as_optimal_mix_and_tries_other_directions(rule: str) -> None:
+    honest = honest_rows(seed=9)
+    mix = attacks.build("optimal_mix", rule=rule, grid=6, refine=2).craft(honest, f=F, generator=gen())[0]
+    search = attacks.build("optimal_search", rule=rule, grid=6, refine=2, directions=6, local=6)
+    row = search.craft(honest, f=F, generator=gen())[0]
+    assert rule_shift(rule, F, honest, row.expand(F, -1)) >= rule_shift(rule, F, honest, mix.expand(F, -1)) * (1 - 1e-6)
+    # Every line it tries lies in the span of the three tuned directions and the top components.
+    span = search._span(honest)  # type: ignore[attr-defined]
+    assert span.shape[1] == 6 and torch.allclose(span.T @ span, torch.eye(6, dtype=torch.float64), atol=1e-9)
+    offset = (row - honest.mean(0)).double()
+    torch.testing.assert_close(span @ (span.T @ offset), offset, rtol=1e-4, atol=1e-5)
+    # The random directions come from the round's generator: another draw, another search.
+    again = attacks.build("optimal_search", rule=rule, grid=6, refine=2, directions=6, local=6)
+    assert torch.equal(again.craft(honest, f=F, generator=gen())[0], row)
+
+
+def test_optimal_search_finds_a_direction_the_seven_lines_miss() -> None:
+    # Against the coordinate-wise median the best single row is not on any of optimal_mix's lines: the
+    # search beyond them must move the rule strictly farther on some honest rows.
+    gains = []
+    for seed in range(4):
+        honest = honest_rows(seed=seed)
+        mix = attacks.build("optimal_mix", rule="median", grid=6, refine=2).craft(honest, f=F, generator=gen())[0]
+        search = attacks.build("optimal_search", rule="median", grid=6, refine=2, directions=8, local=8)
+        row = search.craft(honest, f=F, generator=gen(seed))[0]
+        reached, by_mix = (rule_shift("median", F, honest, r.expand(F, -1)) for r in (row, mix))
+        gains.append(reached / by_mix)
+    assert min(gains) >= 1 - 1e-6 and max(gains) > 1.01, gains
 
 
 def test_optimal_mix_with_identical_honest_rows_sends_them() -> None:
