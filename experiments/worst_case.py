@@ -180,8 +180,8 @@ def applies(rule: str, attack: str) -> bool:
     """Whether ``attack`` (a label, ``name (param=value, ...)``) can be run against ``rule`` at all.
 
     An attack written against the server's own update (FLTrust's adaptive attack) has nothing to attack in
-    a rule that computes none: such a cell is not applicable, not missing. (The tuned attacks, which do
-    not model FLTrust's update, stay missing there: that is an attack not built.)
+    a rule that computes none: such a cell is not applicable, not missing. (The tuned attacks apply to
+    every rule: they are tuned to the rule they run against, FLTrust with its update included.)
     """
     name, last = attack.split(" (")[0], rule.split("+")[-1]
     if name not in attack_registry.names() or not attack_registry.build(name).needs_server_update:

@@ -30,7 +30,9 @@ class Attack:
         ``False`` when it runs inside a client (data, update and num-examples hooks, also in deployment).
     needs_server_update : bool
         ``True`` when the attack also needs the server's own update of the round, which only rules like
-        FLTrust compute: it crafts in :meth:`craft_round` only, given ``server_update``.
+        FLTrust compute: it crafts in :meth:`craft_round` only, given ``server_update``. A class
+        attribute for attacks written against FLTrust; the tuned attacks set it per instance, from the
+        rule they are tuned to.
     """
 
     name: ClassVar[str] = "honest"
@@ -161,6 +163,25 @@ class Attack:
             ``[f, d]`` for the ``f`` Byzantine rows, in their order in ``rows``.
         """
         return self.craft(rows[~byzantine], f=int(byzantine.sum()), generator=generator)
+
+
+def missing_server_update(attack: str) -> ValueError:
+    """The error of an attack that needs the server's own update of the round and has none."""
+    return ValueError(
+        f"attack {attack!r} needs the server's own update of the round (FLTrust's g0): run it against "
+        "aggregator=fltrust, whose server computes one; other rules have none to give it"
+    )
+
+
+def server_update_of(attack: str, server_update: Tensor | None, d: int) -> Tensor:
+    """``server_update`` checked for an attack that needs it: given, and ``[d]`` like the honest rows."""
+    if server_update is None:
+        raise missing_server_update(attack)
+    if server_update.shape != (d,):
+        raise ValueError(
+            f"attack {attack!r}: the server update has shape {tuple(server_update.shape)}, the honest rows have d={d}"
+        )
+    return server_update
 
 
 def map_floating(update: Mapping[str, Tensor], fn: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:

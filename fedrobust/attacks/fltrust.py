@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from fedrobust.attacks.base import Attack, check_choice, check_int
+from fedrobust.attacks.base import Attack, check_choice, check_int, missing_server_update, server_update_of
 from fedrobust.attacks.omniscient import _check_input, _repeat
 
 __all__ = ["FLTrustAdaptive"]
@@ -73,7 +73,7 @@ class FLTrustAdaptive(Attack):
         check_choice(self.name, "direction", self.direction, ("sign", "update"))
 
     def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
-        raise ValueError(self._needs_server_update())
+        raise missing_server_update(self.name)
 
     def craft_round(
         self,
@@ -84,19 +84,14 @@ class FLTrustAdaptive(Attack):
         generator: torch.Generator,
         server_update: Tensor | None = None,
     ) -> Tensor:
-        if server_update is None:
-            raise ValueError(self._needs_server_update())
-        return self.against(rows[~byzantine], server_update, f=int(byzantine.sum()))
+        g0 = server_update_of(self.name, server_update, rows.shape[-1])
+        return self.against(rows[~byzantine], g0, f=int(byzantine.sum()))
 
     def against(self, honest: Tensor, server_update: Tensor, *, f: int) -> Tensor:
         """The ``f`` rows against FLTrust with server update ``server_update`` (``[d]``) and ``honest`` rows."""
         _check_input(self.name, honest, f, min_h=1)
         h, d = honest.shape
-        if server_update.shape != (d,):
-            raise ValueError(
-                f"attack {self.name!r}: the server update has shape {tuple(server_update.shape)}, "
-                f"the honest rows have d={d}"
-            )
+        server_update_of(self.name, server_update, d)
         x, g0 = honest.to(torch.float64), server_update.to(device=honest.device, dtype=torch.float64)
         g0_norm = float(g0.norm())
         if f == 0 or g0_norm == 0.0:  # FLTrust trusts no row when g0 = 0: nothing to gain
@@ -126,9 +121,3 @@ class FLTrustAdaptive(Attack):
             h, f, total, chosen, float(s @ before) - float(s_dot_after[best]),
         )
         return _repeat((g0_norm * e).to(honest.dtype), f)
-
-    def _needs_server_update(self) -> str:
-        return (
-            f"attack {self.name!r} needs the server's own update of the round (FLTrust's g0): run it against "
-            "aggregator=fltrust, whose server computes one; other rules have none to give it"
-        )

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fedrobust import aggregators
-from fedrobust.attacks.base import Attack, _fail, check_int, check_real
+from fedrobust.attacks.base import Attack, _fail, check_int, check_real, missing_server_update, server_update_of
 from fedrobust.attacks.omniscient import _centre, _check_input, _repeat, alie_z
 
 __all__ = ["OptimalALIE", "OptimalFang", "OptimalIPM", "OptimalMix", "OptimalSearch", "maximize_scale"]
@@ -71,8 +71,8 @@ def maximize_scale(objective: Callable[[float], float], *, default: float, max_s
     return best, seen[best]
 
 
-def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any, rule_pre_params: Any) -> None:
-    """Validate the rule the attack is tuned against by building it once."""
+def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any, rule_pre_params: Any) -> bool:
+    """Validate the rule the attack is tuned against by building it once; whether it needs the server update."""
     pre, name = aggregators.split_pipeline(rule) if isinstance(rule, str) else ([], None)
     if name not in aggregators.names() or any(stage not in aggregators.pre_names() for stage in pre):
         raise ValueError(
@@ -106,12 +106,7 @@ def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any, rule_pre_
             f"attack {attack!r}: parameter 'rule_pre_params' must be valid parameters of the stages of {rule!r} "
             f"({err}), got {dict(rule_pre_params)!r}"
         ) from err
-    if built.needs_server_update:
-        # The search would have to run the rule, which needs the server's own update of the round:
-        # the server's root data, which this attacker is not modelled to know.
-        raise ValueError(
-            f"attack {attack!r}: parameter 'rule' must be a rule that needs no server update, got {rule!r}"
-        )
+    return built.needs_server_update
 
 
 def _cloned(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -147,7 +142,10 @@ class _Optimal(Attack):
     _memory: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_rule(self.name, self.rule, self.rule_f, self.rule_params, self.rule_pre_params)
+        needs = _check_rule(self.name, self.rule, self.rule_f, self.rule_params, self.rule_pre_params)
+        # Per instance, not per class: tuned to FLTrust, the search runs FLTrust, which needs the server's
+        # update of the round (craft_round's server_update); tuned to another rule, it needs none.
+        object.__setattr__(self, "needs_server_update", needs)
         object.__setattr__(self, "max_scale", check_real(self.name, "max_scale", self.max_scale, low=0.0))
         check_int(self.name, "grid", self.grid, low=2)
         check_int(self.name, "refine", self.refine, low=0)
@@ -212,6 +210,14 @@ class _Optimal(Attack):
         return _repeat(best[1], f)
 
     def craft(self, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
+        if self.needs_server_update:
+            raise missing_server_update(self.name)
+        return self._craft_fresh(honest, f, generator, None)
+
+    def _craft_fresh(
+        self, honest: Tensor, f: int, generator: torch.Generator, server_update: Tensor | None
+    ) -> Tensor:
+        """The search against the rule built afresh for every candidate, given ``server_update`` if it needs one."""
         _check_input(self.name, honest, f, min_h=2)
         h, d = honest.shape
         if f == 0:
@@ -219,7 +225,10 @@ class _Optimal(Attack):
         rule_f = self._rule_f(h, f)
 
         def fresh(byzantine: Tensor) -> Tensor:
-            return self._rule(rule_f)(torch.cat([honest, byzantine]))
+            rule = self._rule(rule_f)
+            if server_update is not None:
+                rule.set_server_update(server_update)
+            return rule(torch.cat([honest, byzantine]))
 
         return self._search(honest, f, fresh, generator)
 
@@ -241,9 +250,15 @@ class _Optimal(Attack):
         the server does, one state serves every ``f`` (a round with fewer Byzantine rows runs the pipeline
         built for that ``f`` on the same state). It assumes the server aggregates every round with the rows
         it is given (no crafted row dropped by validation, the same ``f``) and unit weights.
+
+        A rule that needs the server's update of the round (FLTrust) is given ``server_update`` before
+        every candidate is tried, as the server gives it before it aggregates.
         """
+        g0 = None
+        if self.needs_server_update:
+            g0 = server_update_of(self.name, server_update, rows.shape[-1]).to(rows.device)
         if not self.memory:
-            return super().craft_round(rows, byzantine, clients, generator=generator)
+            return self._craft_fresh(rows[~byzantine], int(byzantine.sum()), generator, g0)
         honest = rows[~byzantine]
         f = int(byzantine.sum())
         _check_input(self.name, honest, f, min_h=2)
@@ -260,6 +275,8 @@ class _Optimal(Attack):
 
         def with_memory(candidate: Tensor) -> Tensor:
             pipeline.load_state_dict(_cloned(state))
+            if g0 is not None:
+                pipeline.set_server_update(g0)
             placed = rows.clone()
             placed[index] = candidate.to(rows.dtype)
             return pipeline(placed, clients=ids)

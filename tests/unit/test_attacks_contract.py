@@ -106,7 +106,7 @@ INVALID: dict[str, list[tuple[str, object]]] = {
         ("grid", 1), ("refine", -1), ("memory", None), ("components", -1), ("directions", 2.5), ("local", True),
     ],
     "optimal_fang": [
-        ("rule", "fltrust"), ("rule_f", -2), ("rule_params", None), ("max_scale", -1.0), ("grid", 0),
+        ("rule", "fltrust+mean"), ("rule_f", -2), ("rule_params", None), ("max_scale", -1.0), ("grid", 0),
         ("refine", 1.5),
         ("memory", "yes"),
         ("rule_pre_params", {"consistency": 1.0}),

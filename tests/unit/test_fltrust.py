@@ -130,9 +130,55 @@ def test_after_a_pre_aggregator_it_scores_the_mixed_rows() -> None:
     np.testing.assert_allclose(out.numpy(), reference_fltrust(rows.numpy(), g0.numpy()), rtol=1e-9, atol=1e-12)
 
 
-def test_optimal_attacks_refuse_a_rule_that_needs_the_server_update() -> None:
-    with pytest.raises(ValueError, match="optimal_alie.*needs no server update, got 'fltrust'"):
-        attacks.build("optimal_alie", rule="fltrust")
+TUNED = ["optimal_alie", "optimal_ipm", "optimal_fang", "optimal_mix", "optimal_search"]
+
+
+def tuned_rows(name: str, honest: Tensor, g0: Tensor | None, **params) -> Tensor:
+    """The rows of tuned attack ``name`` against FLTrust, given the server update ``g0`` of the round."""
+    rows, byzantine = torch.cat([honest, honest[:F]]), torch.arange(N) >= N - F
+    attack = attacks.build(name, rule="fltrust", **params)
+    return attack.craft_round(rows, byzantine, list(range(N)), generator=torch.Generator().manual_seed(0),
+                              server_update=g0)
+
+
+def shift(honest: Tensor, g0: Tensor, byzantine: Tensor) -> float:
+    """The tuned attacks' objective: how far FLTrust's output lands from the honest rows' mean."""
+    return float((fltrust(torch.cat([honest, byzantine.to(honest.dtype)]), g0) - honest.mean(0)).norm())
+
+
+@pytest.mark.parametrize("name", TUNED)
+def test_tuned_attacks_search_against_fltrust_with_the_round_s_server_update(name: str) -> None:
+    honest, g0 = honest_round(1)
+    assert attacks.build(name, rule="fltrust").needs_server_update and not attacks.build(name).needs_server_update
+    crafted = tuned_rows(name, honest, g0)
+    assert crafted.shape == (F, D) and bool((crafted == crafted[0]).all())
+    # Following the server's (stateless) FLTrust round by round finds the same rows.
+    torch.testing.assert_close(tuned_rows(name, honest, g0, memory=True), crafted, rtol=0, atol=0)
+    honest_only = shift(honest, g0, honest[:0])
+    if name == "optimal_ipm":  # -eps * mean points away from g0 for every eps > 0: trust 0, nothing to gain
+        assert shift(honest, g0, crafted) == pytest.approx(honest_only, rel=1e-12)
+        return
+    # FLTrust trusts the rows (a row it scores 0 leaves it where the honest rows put it), and they move it.
+    assert float(torch.nn.functional.cosine_similarity(crafted[0], g0, dim=0)) > 0
+    assert shift(honest, g0, crafted) > 1.05 * honest_only
+    # The search ran FLTrust with this g0: its rows beat those tuned with another server update (the honest
+    # rows' mean, then a turned one), scored with this g0.
+    turned = g0 + 2.0 * torch.randn(D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for other in (honest.mean(0), turned):
+        assert shift(honest, g0, crafted) >= shift(honest, g0, tuned_rows(name, honest, other)) - 1e-12
+    assert not torch.equal(crafted, tuned_rows(name, honest, turned))
+
+
+def test_tuned_attacks_against_fltrust_need_the_server_update() -> None:
+    honest, g0 = honest_round()
+    attack = attacks.build("optimal_alie", rule="fltrust")
+    with pytest.raises(ValueError, match="optimal_alie.*needs the server's own update.*aggregator=fltrust"):
+        attack.craft(honest, f=F, generator=torch.Generator())
+    for memory in (False, True):
+        with pytest.raises(ValueError, match="optimal_alie.*needs the server's own update"):
+            tuned_rows("optimal_alie", honest, None, memory=memory)
+        with pytest.raises(ValueError, match=rf"optimal_alie.*server update has shape \({D - 1},\).*d={D}"):
+            tuned_rows("optimal_alie", honest, g0[:-1], memory=memory)
 
 
 def changing_direction(honest: Tensor, g0: Tensor, direction: str) -> Tensor:
@@ -202,6 +248,13 @@ def test_a_config_with_the_adaptive_attack_and_a_rule_without_server_update_is_r
     with pytest.raises(ConfigError, match="attack.name=fltrust_adaptive: needs the server's own update .*"
                                           "median does not compute.*aggregator=fltrust"):
         validate(from_flat({**cfg, "aggregator.name": "nnm+median"}))
+    # A tuned attack needs the server update only where it is tuned to FLTrust (its rule: the server's).
+    tuned = {"attack.name": "optimal_alie", "num_byzantine": 2}
+    validate(from_flat({**tuned, "aggregator.name": "fltrust", "attack.params": {"rule": "fltrust"}}))
+    validate(from_flat({**tuned, "aggregator.name": "median", "attack.params": {"rule": "median"}}))
+    with pytest.raises(ConfigError, match="attack.name=optimal_alie: needs the server's own update .*"
+                                          "median does not compute.*aggregator=fltrust"):
+        validate(from_flat({**tuned, "aggregator.name": "median", "attack.params": {"rule": "fltrust"}}))
 
 
 # --------------------------------------------------------------------------- the server's side
