@@ -33,6 +33,7 @@ from fedrobust.attacks.fang import FangKrum, FangTrimmedMean
 from fedrobust.attacks.fltrust import FLTrustAdaptive
 from fedrobust.attacks.omniscient import ALIE, IPM, Mimic, MinMax, MinSum, alie_z
 from fedrobust.attacks.optimal import OptimalALIE, OptimalFang, OptimalIPM, OptimalMix, OptimalSearch
+from fedrobust.attacks.rop import ROP
 
 __all__ = ["Attack", "alie_z", "build", "client_names", "names", "omniscient_names"]
 
@@ -41,7 +42,7 @@ _REGISTRY: dict[str, type[Attack]] = {
     for cls in (
         SignFlip, Scaled, Gaussian, Zero, NaNFill, InfFill, LabelFlip, RandomUniform, Malformed, Stale,
         LyingWeight, ALIE, IPM, Mimic, MinMax, MinSum, FangKrum, FangTrimmedMean, OptimalALIE, OptimalIPM,
-        OptimalFang, OptimalMix, OptimalSearch, FLTrustAdaptive, Backdoor,
+        OptimalFang, OptimalMix, OptimalSearch, ROP, FLTrustAdaptive, Backdoor,
     )
 }
 

@@ -282,7 +282,9 @@ class _Optimal(Attack):
             return pipeline(placed, clients=ids)
 
         crafted = self._search(honest, f, with_memory, generator)
-        with_memory(crafted)  # the server's memory moves on with the rows it is about to aggregate
+        # The server's memory moves on with the rows it is about to aggregate; what it aggregates is the
+        # history an attack that learns from it (``rop``) starts the next round from.
+        self._memory["aggregate"] = with_memory(crafted).detach().clone()
         self._memory["state"] = _cloned(pipeline.state_dict())
         return crafted
 

@@ -57,6 +57,8 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("optimal_mix", {"rule": "trimmed_mean", "grid": 3, "refine": 1}),
     ("optimal_search", {"rule": "median", "grid": 3, "refine": 1, "directions": 2, "local": 2, "components": 1}),
     ("fltrust_adaptive", {"direction": "update", "steps": 50}),
+    ("rop", {"rule": "centered_clipping", "rule_params": {"tau": "auto"}, "location": 0.0, "angle": 60.0, "grid": 4,
+             "refine": 2}),
     ("backdoor", {"boost": 5.0, "value": 3.0, "target": 3}),
 ]
 CONFIGS = [(name, {}) for name in attacks.names()] + VARIANTS
@@ -65,6 +67,11 @@ CLIENT_CONFIGS = [(name, params) for name, params in CONFIGS if name in CLIENT]
 # One invalid value per parameter of every attack (a test checks that none is missing).
 INVALID: dict[str, list[tuple[str, object]]] = {
     "fltrust_adaptive": [("steps", 0), ("steps", 1.5), ("steps", True), ("direction", "both")],
+    "rop": [
+        ("rule", "clipping"), ("rule_f", -1), ("rule_params", 1), ("rule_pre_params", [1]), ("max_scale", 0.0),
+        ("grid", 1), ("refine", -1), ("memory", "yes"), ("location", 1.5), ("location", True), ("reference", -0.1),
+        ("angle", 181.0), ("angle", math.nan),
+    ],
     "sign_flip": [("scale", 0.0), ("scale", -1.0), ("scale", True), ("start_round", -1), ("start_round", 2.0),
                   ("turn_rounds", 0)],
     "scaled": [("factor", math.nan), ("factor", -2.0)],
@@ -782,7 +789,7 @@ def _round_rows(round_: int, h: int = 16, f: int = F) -> tuple[Tensor, Tensor]:
     return rows, byzantine
 
 
-@pytest.mark.parametrize("name", ["optimal_fang", "optimal_alie", "optimal_ipm", "optimal_search"])
+@pytest.mark.parametrize("name", ["optimal_fang", "optimal_alie", "optimal_ipm", "optimal_search", "rop"])
 def test_optimal_attack_with_memory_keeps_the_server_state(name: str) -> None:
     # The attacker's copy of the pipeline must hold the server's state after every round, or its
     # search would be against another rule than the one the server runs.
