@@ -38,7 +38,7 @@ from fedrobust.config import AggregatorConfig
 # that turns slowly.
 ATTACKS = (
     "label_flip", "backdoor", "sign_flip", "mimic", "min_max", "min_sum", "fang_krum", "fang_trimmed_mean",
-    "optimal_alie", "optimal_ipm", "optimal_fang", "optimal_mix",
+    "optimal_alie", "optimal_ipm", "optimal_fang", "optimal_mix", "rop",
 )
 # (sweep name, attack, overrides separated by spaces); the attack files declare no such params: "+" adds
 # them. The last three are sleepers that turn, by 30 degrees a round from round 4, by 15 from round 2
