@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedrobust.config import RunConfig
+from fedrobust.config import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,33 @@ def _attack_files() -> dict[str, str]:
     return files
 
 
+@functools.cache
+def _aggregator_files() -> dict[str, str]:
+    """File stem in ``conf/aggregator`` -> the ``aggregator.name`` it sets."""
+    import yaml
+
+    return {
+        path.stem: str((yaml.safe_load(path.read_text()) or {}).get("name", path.stem))
+        for path in sorted((CONF_DIR / "aggregator").glob("*.yaml"))
+    }
+
+
+def pipeline_of(rule: str) -> str:
+    """``aggregator.name`` for the study's ``rule``: pre-aggregators joined by ``+`` with a rule's file.
+
+    The last stage names a file of ``conf/aggregator`` (its parameters); where that file's rule is named
+    otherwise (``centered_clipping_auto`` sets ``centered_clipping`` with ``tau=auto``, ``nnm_krum`` the
+    pipeline ``nnm+krum``), its name stands in for the stage.
+    """
+    *pre, last = rule.split("+")
+    files = _aggregator_files()
+    if last not in files:
+        raise ValueError(
+            f"rule {rule!r}: its last stage {last!r} names no file of conf/aggregator; choices: {', '.join(files)}"
+        )
+    return "+".join([*pre, files[last]])
+
+
 def attack_choice(attack: str) -> str:
     """The Hydra choice (``attack=<this>``) that selects the attack registered as ``attack``."""
     files = _attack_files()
@@ -142,7 +169,7 @@ def overrides_for(
     """
     overrides = [
         f"aggregator={spec.rule.split('+')[-1]}",  # the rule's group file: its parameters
-        f"aggregator.name={spec.rule!r}",  # the whole pipeline, which attacks tuned to the rule then see
+        f"aggregator.name={pipeline_of(spec.rule)!r}",  # the whole pipeline, which tuned attacks then see
         f"attack={attack_choice(spec.attack)}",
         f"partition={spec.partition}",
     ]
@@ -385,7 +412,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Robust rules x attacks x partitions x seeds on digits, in-process, in parallel and resumable.",
     )
     parser.add_argument("--rules", nargs="+", default=list(RULES),
-                        help="aggregation rules; 'nnm+<rule>' puts NNM in front (default: %(default)s)")
+                        help="aggregation rules, each a conf/aggregator file (centered_clipping_auto) with "
+                             "pre-aggregators in front: 'nnm+<rule>' (default: %(default)s)")
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), help="attacks (conf/attack/*.yaml)")
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
@@ -401,24 +429,54 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]:
+    """What is wrong with ``--rules`` and ``--attacks``, one line each (empty: nothing)."""
+    problems = []
+    for rule in rules:
+        try:
+            pipeline_of(rule)
+        except ValueError as err:
+            problems.append(f"--rules: {err}")
+    for attack in attacks:
+        try:
+            attack_choice(attack)
+        except ValueError as err:
+            problems.append(f"--attacks: {err}")
+    return problems
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(args_list)
+    problems = argument_problems(args.rules, args.attacks)
+    if problems:
+        _exit_invalid("invalid arguments", problems)
     _worker_init()
-    run_study(
-        rules=args.rules,
-        attacks=args.attacks,
-        partitions=args.partitions,
-        seeds=args.seeds,
-        rounds=args.rounds,
-        num_clients=args.clients,
-        num_byzantine=args.byzantine,
-        alpha=args.alpha,
-        extra=args.extra,
-        jobs=args.jobs,
-        out=args.out,
-        command=shlex.join(["python", "-m", "experiments.study", *args_list]),
-    )
+    try:
+        run_study(
+            rules=args.rules,
+            attacks=args.attacks,
+            partitions=args.partitions,
+            seeds=args.seeds,
+            rounds=args.rounds,
+            num_clients=args.clients,
+            num_byzantine=args.byzantine,
+            alpha=args.alpha,
+            extra=args.extra,
+            jobs=args.jobs,
+            out=args.out,
+            command=shlex.join(["python", "-m", "experiments.study", *args_list]),
+        )
+    except ConfigError as err:  # a run's configuration, composed before any run starts
+        _exit_invalid("invalid configuration", err.problems)
+
+
+def _exit_invalid(what: str, problems: Sequence[str]) -> None:
+    """Print ``problems`` one per line and exit 2, as ``experiments.run`` does for a bad config."""
+    print(f"experiments.study: {what}:", file=sys.stderr)
+    for line in problems:
+        print(f"  {line}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
