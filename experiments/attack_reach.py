@@ -87,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--set", dest="extra", nargs="+", default=[], metavar="KEY=VALUE",
                         help="extra Hydra overrides, e.g. +attack.params.perturbation=unit_vec")
     args = parser.parse_args(argv)
+    try:
+        study.attack_choice(args.attack)
+    except ValueError as err:
+        parser.error(str(err))
     study._worker_init()
     for partition in args.partitions:
         rounds, accuracy = measure(config(args.attack, partition, args.seed, args.rounds, args.extra))

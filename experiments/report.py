@@ -601,10 +601,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     command = shlex.join(["python", "-m", "experiments.report", *(sys.argv[1:] if argv is None else argv)])
     docs_dir = args.docs if args.docs is not None else args.results / "report"
-    path = write_report(
-        args.results, docs_dir, pilot_dir=args.pilot, extra_dirs=args.extra,
-        default_choice_dirs=args.default_choice, report_command=command,
-    )
+    try:
+        path = write_report(
+            args.results, docs_dir, pilot_dir=args.pilot, extra_dirs=args.extra,
+            default_choice_dirs=args.default_choice, report_command=command,
+        )
+    except ValueError as err:  # no results, or sweeps that cannot be compared
+        parser.error(str(err))
     print(f"wrote {path}")
 
 

@@ -445,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         lines = section(args.dirs, rules=args.rules, incumbent=args.incumbent)
     except ValueError as err:  # sweeps that cannot be compared (no clean FedAvg, hold-out beside test set)
         parser.error(str(err))
+    if not lines:
+        parser.error(f"no study results in {', '.join(map(str, args.dirs))}")
     print("\n".join(lines))
 
 
