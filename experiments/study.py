@@ -51,7 +51,7 @@ import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from fedrobust.config import ConfigError, RunConfig
 
@@ -471,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit_invalid("invalid configuration", err.problems)
 
 
-def _exit_invalid(what: str, problems: Sequence[str]) -> None:
+def _exit_invalid(what: str, problems: Sequence[str]) -> NoReturn:
     """Print ``problems`` one per line and exit 2, as ``experiments.run`` does for a bad config."""
     print(f"experiments.study: {what}:", file=sys.stderr)
     for line in problems:
