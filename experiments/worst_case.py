@@ -9,7 +9,9 @@ each rule of one or more study sweeps (``experiments/study.py --out DIR``) by th
 writes the section that leads ``docs/results.md``. A sweep run with ``--set`` (e.g. a stronger
 ``attack.params.scale``) contributes its attacks under their own label, ``sign_flip (scale=4.0)``; one
 run with settings of the rule (``+aggregator.pre_params.direction.margin=0.5``) is a configuration of its
-own, ``RULE @ pre_params.direction.margin=0.5``. Sweeps on the validation hold-out compare among themselves.
+own, ``RULE @ pre_params.direction.margin=0.5``. A setting clean FedAvg itself ran with
+(``client.local_epochs=3`` on the mean and the defenses alike) is the experiment's: it labels nothing, and
+sweeps run without it are refused. Sweeps on the validation hold-out compare among themselves.
 """
 
 from __future__ import annotations
@@ -65,6 +67,27 @@ def _ran_with(result: dict[str, Any], settings: Sequence[str]) -> list[str]:
     return list(settings) if own is None else [e for e in settings if e in own]
 
 
+def experiment_settings(sweeps: Sequence[tuple[Path, list[str], list[str], list[dict[str, Any]]]]) -> list[str]:
+    """The settings of the whole experiment: those clean FedAvg itself ran with (``--set
+    client.local_epochs=3`` on a sweep of the mean and the defenses), so they label no rule.
+
+    ``sweeps``: (directory, its settings other than the attack's, the attack's, its results). Settings of
+    the rule (``aggregator.*``) never count: the plain mean has none. Every sweep must have run with the
+    experiment's settings, else its runs are of another experiment and comparing them is refused.
+    """
+    found = sorted({e for _, of_rule, _, loaded in sweeps for r in loaded
+                    if (r["rule"], r["attack"]) == (CLEAN_RULE, CLEAN_ATTACK)
+                    for e in _ran_with(r, of_rule) if not e.removeprefix("+").startswith("aggregator.")})
+    for directory, of_rule, _, _ in sweeps:
+        lacking = [e for e in found if e not in of_rule]
+        if lacking:
+            raise ValueError(
+                f"the sweeps ran in different settings: clean FedAvg ran with {' '.join(found)}, "
+                f"{directory} without {' '.join(lacking)}; compare sweeps of one setting"
+            )
+    return found
+
+
 def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The results of every sweep in ``dirs``, each labelled with its sweep's extra settings: those of the
     attack (``attack.params.*``) label the attack, every other one labels the rule (:func:`rule_label`).
@@ -78,6 +101,7 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
     """
     results, seen = [], set()
     held_out: dict[bool, list[str]] = {True: [], False: []}
+    sweeps = []
     for directory in dirs:
         try:
             extra = json.loads((directory / "study.json").read_text()).get("settings", {}).get("extra", [])
@@ -88,13 +112,17 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
         extra = [e for e in extra if e not in evaluation]
         held_out[any(float(e.partition("=")[2]) > 0 for e in evaluation)].append(str(directory))
         of_attack = [e for e in extra if e.removeprefix("+").startswith("attack.params.")]
-        of_rule = [e for e in extra if e not in of_attack]
-        for r in load_results(directory):
+        sweeps.append((directory, [e for e in extra if e not in of_attack], of_attack, load_results(directory)))
+    experiment = experiment_settings(sweeps)
+    for _, of_rule, of_attack, loaded in sweeps:
+        of_rule = [e for e in of_rule if e not in experiment]
+        for r in loaded:
             keep = not rules or r["rule"] in rules
             # A run is labelled with the settings it ran with: tune runs clean FedAvg in the same sweep
             # without the rule's own settings (the plain mean has none), so it stays clean FedAvg.
             rule_settings, attack_settings = _ran_with(r, of_rule), _ran_with(r, of_attack)
-            r = r | {"rule": rule_label(r["rule"], rule_settings), "attack": label(r["attack"], attack_settings)}
+            r = r | {"rule": rule_label(r["rule"], rule_settings), "attack": label(r["attack"], attack_settings),
+                     "experiment_settings": experiment}
             key = (r["partition"], r["rule"], r["attack"], r["seed"])
             keep = keep or (r["rule"], r["attack"]) == (CLEAN_RULE, CLEAN_ATTACK)
             if keep and key not in seen:
@@ -322,7 +350,9 @@ def section(
         "",
         *(["```", *commands, "```", ""] if commands else []),
         f"{len(results)} runs. Digits, MLP, {results[0]['num_clients']} clients, f = {results[0]['num_byzantine']}, "
-        f"{results[0]['num_rounds']} rounds, seeds {', '.join(map(str, seeds))}; each cell is the final accuracy "
+        f"{results[0]['num_rounds']} rounds, seeds {', '.join(map(str, seeds))}"
+        + "".join(f", {e.removeprefix('+')}" for e in results[0].get("experiment_settings", []))
+        + "; each cell is the final accuracy "
         "averaged over the seeds (a run that stopped counts as 0). The gap is clean FedAvg's accuracy (mean, "
         "no attack) minus the configuration's under an attack, in points; a configuration is worth its "
         "**largest** gap over the attack set, since a user does not know the attack in advance. Score: the "

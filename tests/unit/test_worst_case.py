@@ -246,3 +246,24 @@ def test_a_clean_run_without_the_sweeps_rule_settings_stays_clean_fedavg(tmp_pat
         ("r @ pre_params.direction.previous=true", "mimic")}
     case = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(results))}
     assert case["r @ pre_params.direction.previous=true"].gap["iid"] == (pytest.approx(0.03), "mimic")
+
+
+def test_settings_clean_fedavg_ran_with_are_the_experiments_not_a_rules(tmp_path: Path) -> None:
+    """A sweep of the mean and a defense with --set client.local_epochs=3 compares them in that setting:
+    the setting labels no rule, a sweep of attack variants in it joins, and one without it is refused."""
+    epochs = ["client.local_epochs=3"]
+    main = _write(tmp_path / "main", [_run("iid", r, a, 0, acc) | {"overrides": epochs} for r, a, acc in (
+        ("mean", "none", 0.97), ("mean", "min_max", 0.6), ("r", "none", 0.965), ("r", "min_max", 0.96))],
+        extra=epochs)
+    stronger = [*epochs, "+attack.params.scale=4.0"]
+    scaled = _write(tmp_path / "scaled", [_run("iid", "r", "sign_flip", 0, 0.95) | {"overrides": stronger}],
+                    extra=stronger)
+    results = worst_case.labelled_results([main, scaled])
+    assert {(r["rule"], r["attack"]) for r in results} == {
+        ("mean", "none"), ("mean", "min_max"), ("r", "none"), ("r", "min_max"), ("r", "sign_flip (scale=4.0)")}
+    case = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(results))}["r"]
+    assert case.gap["iid"] == (pytest.approx(0.02), "sign_flip (scale=4.0)")
+    assert "seeds 0, client.local_epochs=3;" in "\n".join(worst_case.section([main, scaled]))
+    two_epochs = _write(tmp_path / "two", [_run("iid", "r", "mimic", 0, 0.9)])
+    with pytest.raises(ValueError, match="different settings: clean FedAvg ran with client.local_epochs=3, .*two"):
+        worst_case.labelled_results([main, two_epochs])
