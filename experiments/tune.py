@@ -33,7 +33,8 @@ from fedrobust.config import AggregatorConfig
 
 # Everything built that validation alone cannot reject (as the default was chosen, docs/results.md), plus
 # attacks at settings of their own, each run as a sweep of its own: sign flip at scale 4, mimic with its
-# copies spread apart (hidden from the duplicate filter) by half and by one typical honest distance, a
+# copies spread apart (hidden from the duplicate filter) by half, one and one and a half typical honest
+# distances (the widest the test set's sweeps use, docs/results/default_choice/adaptive3), a
 # sleeper that flips signs only from round 10 on (after the direction filter's memory trusts it), and one
 # that turns slowly.
 ATTACKS = (
@@ -48,6 +49,7 @@ VARIANTS = (
     ("sign_flip_x4", "sign_flip", "+attack.params.scale=4.0"),
     ("mimic_noise_0.5", "mimic", "+attack.params.noise=0.5"),
     ("mimic_noise_1", "mimic", "+attack.params.noise=1.0"),
+    ("mimic_noise_1.5", "mimic", "+attack.params.noise=1.5"),
     ("sign_flip_start_10", "sign_flip", "+attack.params.start_round=10"),
     ("sign_flip_turn_6", "sign_flip", "+attack.params.start_round=4 +attack.params.turn_rounds=6"),
     ("sign_flip_turn_12", "sign_flip", "+attack.params.start_round=2 +attack.params.turn_rounds=12"),
