@@ -289,6 +289,20 @@ def _code_text(code: str) -> str:
     return code[:10] + (" with uncommitted changes" if code.endswith("+dirty") else "")
 
 
+def _clients(results: list[dict[str, Any]]) -> str:
+    """The clients' local training, as the results record it (``client``, since 2026-11-26)."""
+    recorded = {json.dumps(r["client"], sort_keys=True) for r in results if "client" in r}
+    if len(recorded) == 1 and all("client" in r for r in results):
+        c = json.loads(recorded.pop())
+        return (f"{c['local_epochs']} local epochs of SGD (lr {c['lr']}, momentum {c['momentum']}, "
+                f"batch {c['batch_size']})")
+    if recorded:
+        return "local training that differs between runs (each result's `client` records its own)"
+    # Results from before the record ran the defaults of their time.
+    return ("2 local epochs of SGD (lr 0.3, momentum 0.9, batch 16), the defaults of `conf/config.yaml` "
+            "until 2026-11-26 (3 local epochs since: run these again with `--set client.local_epochs=2`)")
+
+
 def _partition_label(partition: str, alpha: float) -> str:
     title = PARTITION_TITLES.get(partition, partition)
     return f"{title} alpha={alpha}" if partition == "dirichlet" else title
@@ -403,8 +417,7 @@ def write_report(
         f"({', '.join(map(str, seeds))}).",
         f"* Each run: digits (scikit-learn, 8x8), MLP 64-64-10, {first['num_clients']} clients, all of them in "
         f"every round, f = num_byzantine = {first['num_byzantine']}, {num_rounds} rounds, FedAvg server step "
-        "(lr 1.0), clients: 2 local epochs of SGD (lr 0.3, momentum 0.9, batch 16) - the defaults of "
-        "`conf/config.yaml`; attacks with their `conf/attack/*.yaml` settings; validation on "
+        f"(lr 1.0), clients: {_clients(results)}; attacks with their `conf/attack/*.yaml` settings; validation on "
         "(finite, L2 norm <= 100, same shapes); divergence guard on; quarantine off "
         "(`liveness.quarantine_after=0`, so every round has all clients and Bulyan's n >= 4f+3 holds "
         "unless validation rejects replies).",

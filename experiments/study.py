@@ -221,13 +221,47 @@ def result_path(out: Path, spec: RunSpec) -> Path:
     return out / f"{spec.key}.json"
 
 
-def _has_result(path: Path, overrides: list[str]) -> bool:
-    """A finished result of the same configuration (a result from other settings is run again)."""
+def _stored(path: Path, overrides: list[str]) -> dict[str, Any] | None:
+    """The finished result at ``path`` if it ran with the same overrides (one from other settings is run
+    again), else None."""
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
-        return False
-    return result.get("status") in (OK, QUORUM) and result.get("overrides") == overrides
+        return None
+    return result if result.get("status") in (OK, QUORUM) and result.get("overrides") == overrides else None
+
+
+# The clients' training defaults that changed since results began to record it: a result without the
+# record ran with these unless its overrides set them (client.local_epochs was 2 until 2026-11-26).
+_BEFORE_THE_RECORD = {"local_epochs": 2}
+
+
+def _client_of(result: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """The clients' training ``result`` ran with; ``now``: what its overrides compose to today."""
+    if "client" in result:
+        return dict(result["client"])
+    overridden = {o.removeprefix("+").split("=", 1)[0] for o in result.get("overrides", [])}
+    return now | {k: v for k, v in _BEFORE_THE_RECORD.items() if f"client.{k}" not in overridden}
+
+
+def _up_to_date(stored: dict[str, RunSpec], overrides: dict[str, list[str]], out: Path) -> set[str]:
+    """The runs whose stored result holds: same overrides and the same clients' training.
+
+    The overrides do not name what the config files set by default, so a result also records its
+    clients' training (``client``); after a default there changes (``client.local_epochs``, 2 -> 3 on
+    2026-11-26), a result from before it is run again, never passed off as the new setting's. The
+    clients' training depends on the sweep's overrides, not on the seed or the partition, so one composed
+    run per rule and attack gives it.
+    """
+    found = {key: result for key, spec in stored.items()
+             if (result := _stored(result_path(out, spec), overrides[key])) is not None}
+    representative: dict[tuple[str, str], str] = {}
+    for key in found:
+        representative.setdefault((stored[key].rule, stored[key].attack), key)
+    composed = compose({key: overrides[key] for key in representative.values()})
+    client = {group: dataclasses.asdict(composed[key].client) for group, key in representative.items()}
+    return {key for key, result in found.items()
+            if _client_of(result, now := client[(stored[key].rule, stored[key].attack)]) == now}
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -273,6 +307,8 @@ def run_one(spec: RunSpec, cfg: RunConfig, overrides: list[str], out: Path) -> d
         "num_byzantine": cfg.num_byzantine,
         "alpha": cfg.partition.alpha,
         "overrides": overrides,
+        # What the overrides leave to the config files' defaults: a resumed sweep compares it (_up_to_date).
+        "client": dataclasses.asdict(cfg.client),
         "final_model_sha256": model_sha256,
         "rows": [_slim(r) for r in rows],
     }
@@ -328,7 +364,8 @@ def run_study(
         )
         for s in specs
     }
-    todo = [s for s in specs if not _has_result(result_path(out, s), overrides[s.key])]
+    up_to_date = _up_to_date({s.key: s for s in specs if result_path(out, s).exists()}, overrides, out)
+    todo = [s for s in specs if s.key not in up_to_date]
     started = time.perf_counter()
     # The code the workers import now: changes to the working tree during the sweep do not reach them.
     code = code_version()

@@ -93,7 +93,9 @@ class ServerOptimizerConfig:
 class ClientConfig:
     """Local training on each client."""
 
-    local_epochs: int = 2
+    # 3, not 2: picked on the validation hold-out (experiments.tune, seeds 0-4 and again 5-9), where the
+    # default rule's worst case over the attack set is lower with it (docs/results/default_choice.md).
+    local_epochs: int = 3
     batch_size: int = 16
     lr: float = 0.3
     momentum: float = 0.9

@@ -314,6 +314,7 @@ def test_fltrust_run_keeps_learning_under_boosted_sign_flips(rule: str, tmp_path
         "num_clients": 6, "clients_per_round": 6, "num_byzantine": 2, "num_rounds": 3,
         "aggregator.name": rule, "aggregator.root_size": 60, "attack.name": "sign_flip",
         "attack.params": {"scale": 4.0}, "liveness.quarantine_after": 0,
+        "client.local_epochs": 2,  # the setting the bounds below were measured in
     })
     rows = run_inprocess(cfg, tmp_path, echo=False)
     accuracy = rows[-1]["accuracy"]
