@@ -372,6 +372,7 @@ def write_report(
     pilot_dir: Path | None = None,
     extra_dirs: Sequence[Path] = (),
     default_choice_dirs: Sequence[Path] = (),
+    default_choice_seeds: Sequence[int] = (),
     report_command: str = "",
 ) -> Path:
     """Write ``docs_dir/results.md`` and ``docs_dir/figures/*.png`` from the study in ``results_dir``."""
@@ -451,7 +452,8 @@ def write_report(
         commands = list(dict.fromkeys(  # every invocation that added results, in order, once each
             i.get("command", "?") for d in default_choice_dirs for i in _study_meta(d).get("invocations", [])
         ))
-        lines += worst_case.section(default_choice_dirs, figures / "default_choice.png", commands=commands)
+        lines += worst_case.section(default_choice_dirs, figures / "default_choice.png", commands=commands,
+                                    seeds=default_choice_seeds)
         notes = docs_dir / "results" / "default_choice.md"
         if notes.exists():
             lines += [notes.read_text().strip(), ""]
@@ -608,6 +610,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="--out directories of supplementary sweeps (run with --set ...)")
     parser.add_argument("--default-choice", type=Path, nargs="+", default=[],
                         help="--out directories of the sweeps that choose the default configuration by its worst case")
+    parser.add_argument("--default-choice-seeds", type=int, nargs="+", default=[],
+                        help="only these seeds of those sweeps (default: all), so every configuration has the same")
     args = parser.parse_args(argv)
     import shlex
     import sys
@@ -617,7 +621,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         path = write_report(
             args.results, docs_dir, pilot_dir=args.pilot, extra_dirs=args.extra,
-            default_choice_dirs=args.default_choice, report_command=command,
+            default_choice_dirs=args.default_choice, default_choice_seeds=args.default_choice_seeds,
+            report_command=command,
         )
     except ValueError as err:  # no results, or sweeps that cannot be compared
         parser.error(str(err))

@@ -88,7 +88,9 @@ def experiment_settings(sweeps: Sequence[tuple[Path, list[str], list[str], list[
     return found
 
 
-def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[dict[str, Any]]:
+def labelled_results(
+    dirs: Sequence[Path], rules: Sequence[str] = (), seeds: Sequence[int] = ()
+) -> list[dict[str, Any]]:
     """The results of every sweep in ``dirs``, each labelled with its sweep's extra settings: those of the
     attack (``attack.params.*``) label the attack, every other one labels the rule (:func:`rule_label`).
 
@@ -117,6 +119,8 @@ def labelled_results(dirs: Sequence[Path], rules: Sequence[str] = ()) -> list[di
     for _, of_rule, of_attack, loaded in sweeps:
         of_rule = [e for e in of_rule if e not in experiment]
         for r in loaded:
+            if seeds and r["seed"] not in seeds:
+                continue
             keep = not rules or r["rule"] in rules
             # A run is labelled with the settings it ran with: tune runs clean FedAvg in the same sweep
             # without the rule's own settings (the plain mean has none), so it stays clean FedAvg.
@@ -330,9 +334,10 @@ def section(
     commands: Sequence[str] = (),
     incumbent: str = DEFAULT,
     rules: Sequence[str] = (),
+    seeds: Sequence[int] = (),
 ) -> list[str]:
     """The report section: each fixed configuration's worst case, the chosen default, then per attack."""
-    results = labelled_results(dirs, rules)
+    results = labelled_results(dirs, rules, seeds)
     if not results:
         return []
     table = cells(results)
@@ -469,10 +474,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.worst_case", description=main.__doc__)
     parser.add_argument("dirs", type=Path, nargs="+", help="study result directories")
     parser.add_argument("--rules", nargs="+", default=[], help="only these configurations (and clean FedAvg)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[], help="only these seeds (default: all)")
     parser.add_argument("--incumbent", default=DEFAULT, help=f"the current default (default: {DEFAULT})")
     args = parser.parse_args(argv)
     try:
-        lines = section(args.dirs, rules=args.rules, incumbent=args.incumbent)
+        lines = section(args.dirs, rules=args.rules, incumbent=args.incumbent, seeds=args.seeds)
     except ValueError as err:  # sweeps that cannot be compared (no clean FedAvg, hold-out beside test set)
         parser.error(str(err))
     if not lines:

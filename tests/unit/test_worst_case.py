@@ -267,3 +267,18 @@ def test_settings_clean_fedavg_ran_with_are_the_experiments_not_a_rules(tmp_path
     two_epochs = _write(tmp_path / "two", [_run("iid", "r", "mimic", 0, 0.9)])
     with pytest.raises(ValueError, match="different settings: clean FedAvg ran with client.local_epochs=3, .*two"):
         worst_case.labelled_results([main, two_epochs])
+
+
+def test_seeds_restrict_every_configuration_to_the_same_seeds(tmp_path: Path) -> None:
+    """Ten seeds of the default beside three of the others: --seeds 0 1 2 compares them on the same three."""
+    runs = [_run("iid", "mean", "none", s, 0.96) for s in range(10)]
+    runs += [_run("iid", "default", "mimic", s, 0.95 if s < 3 else 0.90) for s in range(10)]
+    runs += [_run("iid", "other", "mimic", s, 0.945) for s in range(3)]
+    directory = _write(tmp_path / "d", runs)
+    every = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(worst_case.labelled_results([directory])))}
+    assert every["default"].gap["iid"][0] == pytest.approx(0.96 - (3 * 0.95 + 7 * 0.90) / 10)
+    first = worst_case.labelled_results([directory], seeds=[0, 1, 2])
+    assert {r["seed"] for r in first} == {0, 1, 2}
+    cases = {c.rule: c for c in worst_case.worst_cases(worst_case.cells(first))}
+    assert cases["default"].gap["iid"][0] == pytest.approx(0.01)
+    assert "seeds 0, 1, 2;" in "\n".join(worst_case.section([directory], seeds=[0, 1, 2]))
