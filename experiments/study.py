@@ -28,7 +28,8 @@ Settings shared by every run, and why:
   success rate, next to the clean ``accuracy``; docs/results.md, "Backdoor and FLTrust").
 
 One JSON file per run lands in ``--out`` (the per-round rows included); runs whose
-file exists are skipped, so an interrupted study continues where it stopped.
+file exists with the same overrides and the same clients' training are skipped, so an interrupted study
+continues where it stopped (a result made with other settings is run again).
 ``--out/study.json`` records the command line and wall time of each invocation.
 """
 
