@@ -118,6 +118,7 @@ def test_small_sweep_report_and_the_effect_of_sign_flip(tmp_path: Path) -> None:
     assert [r["final_model_sha256"] for r in again] == [r["final_model_sha256"] for r in results]
 
     report = write_report(results_dir, docs).read_text()
+    assert "clients: 3 local epochs of SGD (lr 0.3, momentum 0.9, batch 16)" in report  # as the runs recorded
     table = report.split("## IID: final accuracy, rule x attack", 1)[1].split("![", 1)[0]
     cells = {}
     for line in table.splitlines():
