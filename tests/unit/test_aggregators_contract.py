@@ -302,6 +302,8 @@ def test_negative_or_non_integer_f_raises(name):
         ("signguard", {"min_gap": -0.1}),
         ("foolsgold", {"confidence": 0.0}),
         ("multikrum", {"m": 0}),
+        ("trimmed_mean", {"trim": -1}),
+        ("trimmed_mean", {"trim": 1.5}),
         ("mean", {"max_weight_fraction": 1.5}),
         ("krum", {"chunk_size": 0}),
     ],
@@ -330,6 +332,8 @@ def test_min_n_of_each_rule():
     }
     assert {name: make(name).min_n() for name in RULE_PARAMS} == expected
     assert aggregators.build("multikrum", f=1, m=9).min_n() == 9
+    assert aggregators.build("trimmed_mean", f=2, trim=1).min_n() == 5
+    assert aggregators.build("trimmed_mean", f=1, trim=3).min_n() == 7
     assert aggregators.build("mean", max_weight_fraction=0.3).min_n() == 4
     # DnC drops floor(c * f) rows per iteration and needs one more row than that.
     assert aggregators.build("dnc", f=2, c=3.0).min_n() == 7

@@ -93,6 +93,18 @@ def test_torch_path_matches_references(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("trim", [0, 1, 2, 4, 5])
+def test_trimmed_mean_cuts_trim_values_at_each_end(trim, backend):
+    x = np.random.default_rng(trim).standard_normal((13, 300))
+    got = aggregators.build("trimmed_mean", f=3, trim=trim)(to_tensor(x)).numpy()
+    np.testing.assert_allclose(got, reference_trimmed_mean(x, trim), rtol=1e-12, atol=1e-12)
+
+
+def test_trimmed_mean_trim_defaults_to_f(backend):
+    x = torch.randn(11, 500, dtype=torch.float64)
+    assert torch.equal(aggregators.build("trimmed_mean", f=3)(x), aggregators.build("trimmed_mean", f=3, trim=3)(x))
+
+
 def test_trimmed_mean_with_f_zero_is_the_mean(backend):
     x = torch.randn(9, 1000, dtype=torch.float64)
     torch.testing.assert_close(aggregators.build("trimmed_mean", f=0)(x), x.mean(dim=0))
