@@ -744,6 +744,7 @@ class RobustStrategy(Strategy):
         # waits for it on the same stream. The aggregate's copy back synchronises.
         rows = matrix.rows().to(device, non_blocking=True)
         aggregate = self._call_rule(rule, rows, weights, self._client_ids(outcome.accepted)).to("cpu")
+        outcome.f_used = getattr(rule, "last_f", f_used)  # lower where dedup took copies out (its lower_f)
         outcome.filtered = [outcome.accepted[i] for i in getattr(rule, "last_filtered", ())]
         outcome.filtered_by = {outcome.accepted[i]: by for i, by in getattr(rule, "last_filtered_by", {}).items()}
         outcome.excluded = [outcome.accepted[i] for i in getattr(rule, "last_excluded", ())]

@@ -171,6 +171,8 @@ class RowFilter(PreAggregator):
     keeps_rows = False
     last_kept: Tensor | None = None
     """The input rows the last call kept (int64, ascending); ``None`` when it kept every row."""
+    last_dropped: int = 0
+    """How many rows the last call dropped."""
 
     def requirement(self) -> tuple[int, str]:
         return 2 * self.f + 1, "n >= 2f+1"
@@ -182,10 +184,19 @@ class RowFilter(PreAggregator):
         """The rows to drop (int64 indices, at most ``budget``; ``budget`` may be 0 or less)."""
         raise NotImplementedError
 
+    def byzantine_dropped(self) -> int:
+        """How many of the rows the last call dropped are known to take a Byzantine row out.
+
+        The stages after the filter then tolerate that many Byzantine rows fewer. 0 here: a filter that
+        drops rows by suspicion cannot tell an honest row it dropped from a Byzantine one.
+        """
+        return 0
+
     def apply(self, rows: Rows) -> Rows:
         m = rows.m
         dropped = self.choose(rows, min(self.f, m - self.out_rows(m)))
         self.last_kept = None
+        self.last_dropped = dropped.numel()
         if dropped.numel() == 0:
             return rows
         keep = torch.ones(m, dtype=torch.bool, device=dropped.device)

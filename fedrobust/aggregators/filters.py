@@ -295,6 +295,13 @@ class DuplicateFilter(RowFilter):
     neighbour that stays. An attacker who spreads the copies as far apart as honest clients are is not
     caught; the copies then carry as much noise as signal. Needs ``n >= 2f + 1``.
 
+    With ``lower_f`` the stages after the filter tolerate one Byzantine row fewer for each row it dropped.
+    A dropped row is a copy of a row that stays: either it was Byzantine, or the row that stays is a
+    Byzantine copy of an honest update and now stands for that update (within ``tol``). Either way one
+    Byzantine row fewer is left to outvote, so a trimmed mean after it trims fewer honest values. This
+    assumes that no two honest clients send the same update, which holds for clients with data of their
+    own; where clients may share data and seeds, leave it off.
+
     Parameters
     ----------
     f : int
@@ -302,13 +309,21 @@ class DuplicateFilter(RowFilter):
     tol : float, default 0.01
         The largest nearest-neighbour distance at which a row counts as a copy, as a fraction of the
         median nearest-neighbour distance of the input rows (at most 1).
+    lower_f : bool, default False
+        Lower the ``f`` of the stages after the filter by the number of rows dropped.
     """
 
     name = "dedup"
 
-    def __init__(self, f: int = 0, *, tol: float = 0.01) -> None:
+    def __init__(self, f: int = 0, *, tol: float = 0.01, lower_f: bool = False) -> None:
         super().__init__(f)
         self.tol = check_float(self.name, "tol", tol, minimum=0.0, inclusive=True, maximum=1.0)
+        if not isinstance(lower_f, bool):
+            raise ValueError(f"{self.name}: parameter lower_f must be true or false, got {lower_f!r}")
+        self.lower_f = lower_f
+
+    def byzantine_dropped(self) -> int:
+        return self.last_dropped if self.lower_f else 0
 
     def choose(self, rows: Rows, budget: int) -> Tensor:
         if budget <= 0:

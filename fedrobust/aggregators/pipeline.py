@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -15,6 +16,21 @@ from fedrobust.aggregators.rows import Basis, Rows
 __all__ = ["Aggregator"]
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _tolerating(component: Component, f: int) -> Iterator[None]:
+    """Run ``component`` with ``f`` for one call, then give it its own back.
+
+    The stages read ``f`` when they run, so a pipeline whose filter took Byzantine rows out for certain
+    lets the stages after it tolerate fewer, without a copy of each stage per ``f``.
+    """
+    own = component.f
+    component.f = f
+    try:
+        yield
+    finally:
+        component.f = own
 
 
 class Aggregator:
@@ -45,6 +61,9 @@ class Aggregator:
     last_filtered_by : dict of int to str
         For each row of ``last_filtered``, the name of the filter that dropped it (``consistency``,
         ``direction``, ``dedup``, ``dnc``).
+    last_f : int
+        The ``f`` the rule ran with in the last call: ``f`` less the Byzantine rows a filter took out for
+        certain (``dedup`` with ``lower_f``).
     last_excluded : tuple of int
         The input rows the rule of the last call gave no weight (rules that select rows, such as Krum,
         Multi-Krum, Bulyan, DnC or SignGuard), ascending; disjoint from ``last_filtered``. Empty after a
@@ -62,6 +81,7 @@ class Aggregator:
         self.last_filtered: tuple[int, ...] = ()
         self.last_filtered_by: dict[int, str] = {}
         self.last_excluded: tuple[int, ...] = ()
+        self.last_f = self.f
 
     def __repr__(self) -> str:
         return f"Aggregator({self.label}, f={self.f})"
@@ -150,11 +170,14 @@ class Aggregator:
         self.rule.last_excluded = ()
         rows_are_inputs = True  # until a stage mixes rows (or writes new ones), each row is one input row
         sources: list[int] | None = list(range(n))  # the input row each row stands for, while one does
+        f_left = self.f  # lowered by filters that take Byzantine rows out for certain (dedup's lower_f)
         for stage in self.pre:
             if stage.uses_clients:
                 stage.set_clients(None if keys is None or sources is None else [keys[i] for i in sources])
-            rows = stage.apply(rows)
+            with _tolerating(stage, f_left):
+                rows = stage.apply(rows)
             if isinstance(stage, RowFilter):
+                f_left = max(0, f_left - stage.byzantine_dropped())
                 if sources is not None and stage.last_kept is not None:
                     sources = [sources[i] for i in stage.last_kept.tolist()]
             elif not stage.keeps_rows:
@@ -165,7 +188,9 @@ class Aggregator:
                 self.last_filtered = tuple(i for i in range(n) if i not in kept)
                 for i in self.last_filtered:
                     self.last_filtered_by.setdefault(i, stage.name)
-        out = self.rule.aggregate(rows, row_weights)
+        self.last_f = f_left
+        with _tolerating(self.rule, f_left):
+            out = self.rule.aggregate(rows, row_weights)
         for stage in self.pre:
             stage.observe(out)
         if rows_are_inputs and self.rule.last_excluded:

@@ -211,6 +211,47 @@ def test_dedup_drops_at_most_f_and_keeps_2f_plus_1() -> None:
     assert agg.last_filtered == (9,)  # the last of the four equal rows
 
 
+def crafted_copies(copies: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """``(x, honest)``: ``N - copies`` honest rows, then ``copies`` equal crafted rows at the upper end of
+    every coordinate's honest values (as min-max or ALIE send them), so trimming decides what stays."""
+    honest = honest_rows(seed, N - copies)
+    crafted = honest.max(dim=0).values - 0.01
+    return torch.cat([honest, crafted.expand(copies, D)]), honest
+
+
+def reference_trimmed_mean(x: Tensor, cut: int) -> Tensor:
+    return torch.sort(x, dim=0).values[cut : x.shape[0] - cut].mean(dim=0)
+
+
+@pytest.mark.parametrize("copies", [2, 3, 4])
+def test_dedup_with_lower_f_lets_the_rule_trim_one_row_fewer_per_copy_dropped(copies: int) -> None:
+    x, honest = crafted_copies(copies)
+    kept = x[: N - copies + 1]  # the honest rows and one crafted row
+    lowered = aggregators.build("trimmed_mean", f=F, pre=[{"name": "dedup", "lower_f": True}])
+    out = lowered(x)
+    assert lowered.last_filtered == tuple(range(N - copies + 1, N)) and lowered.last_f == F - (copies - 1)
+    torch.testing.assert_close(out, reference_trimmed_mean(kept, F - (copies - 1)))
+    assert lowered.rule.f == F and lowered.pre[0].f == F  # the stages keep their own f between calls
+    plain = aggregators.build("trimmed_mean", f=F, pre=["dedup"])
+    torch.testing.assert_close(plain(x), reference_trimmed_mean(kept, F))
+    assert plain.last_f == F
+    # The one crafted row left is still trimmed at the top of every coordinate; the lowered f keeps more honest
+    # values, so the aggregate lies closer to the honest mean.
+    assert (out - honest.mean(0)).norm() < (plain(x) - honest.mean(0)).norm()
+
+
+def test_dedup_with_lower_f_leaves_f_alone_without_copies() -> None:
+    agg = aggregators.build("trimmed_mean", f=F, pre=[{"name": "dedup", "lower_f": True}])
+    x = honest_rows(7)
+    torch.testing.assert_close(agg(x), reference_trimmed_mean(x, F))
+    assert agg.last_filtered == () and agg.last_f == F
+
+
+def test_a_bad_lower_f_flag_names_the_valid_values() -> None:
+    with pytest.raises(ValueError, match="dedup: parameter lower_f must be true or false, got 'yes'"):
+        aggregators.build("mean", f=1, pre=[{"name": "dedup", "lower_f": "yes"}])
+
+
 def test_a_filter_before_the_memory_passes_on_the_clients_of_the_rows_it_kept() -> None:
     x, _ = with_copies(F)
     agg = aggregators.build("mean", f=F, pre=["dedup", "direction"])

@@ -573,3 +573,19 @@ def test_the_direction_filter_remembers_replies_by_partition_or_else_by_node() -
         memory = strategy.aggregator.state_dict()
         assert sorted(memory["pre.0.memory.clients"].tolist()) == expected
         assert memory["pre.0.memory.rounds"].tolist() == [2] * n
+
+
+@pytest.mark.parametrize("lower_f", [False, True])
+def test_the_round_reports_the_f_the_rule_ran_with_after_dedup_took_copies_out(lower_f: bool) -> None:
+    strategy = RobustStrategy(
+        aggregator="trimmed_mean", num_byzantine=F, pre=[{"name": "dedup", "lower_f": lower_f}],
+        min_train_nodes=N, progress=False,
+    )
+    state = _global()
+    instructions = _instructions(strategy, state, N, 1)
+    local = _locals(state, N, seed=3)
+    local[-1] = local[-2]  # two nodes send the same update: dedup keeps one
+    replies = [_reply(m, ArrayRecord(s), 50) for m, s in zip(instructions, local, strict=True)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and metrics["filtered"] == 1
+    assert metrics["f-used"] == (F - 1 if lower_f else F)
