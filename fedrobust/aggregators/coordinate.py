@@ -56,14 +56,11 @@ class TrimmedMean(Rule):
         super().__init__(f, chunk_size=chunk_size)
         self.trim = check_optional_int(self.name, "trim", trim, minimum=0)
 
-    def _cut(self) -> int:
-        return self.f if self.trim is None else self.trim
-
     def requirement(self) -> tuple[int, str]:
         if self.trim is None:
             return 2 * self.f + 1, "n >= 2f+1"
         return max(2 * self.f + 1, 2 * self.trim + 1), f"n >= 2f+1 and n >= 2 trim + 1 = {2 * self.trim + 1}"
 
     def aggregate(self, rows: Rows, weights: Tensor | None) -> Tensor:
-        cut = self._cut()
+        cut = self.f if self.trim is None else self.trim
         return window_mean(rows, cut, rows.m - cut)
