@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 EXIT_FAILED = 1
 EXIT_INVALID_CONFIG = 2
+# An absolute path: Hydra finds it also when main() is called from an import, not only from `python -m`.
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
@@ -151,6 +153,14 @@ def override_problems(args: Sequence[str]) -> list[str]:
                 section = key.rpartition(".")[0] or "run config"
                 problems.append(f"{key}={format_value(value)}: unknown key; valid keys in {section}: {valid}")
             continue
+        if dataclasses.is_dataclass(hint) and not isinstance(value, str) and (CONF_DIR / key).is_dir():
+            # Hydra's grammar reads a bare nan, inf, 1 or true as a number or a bool, and then fails
+            # with a traceback on a group choice, which must be a name.
+            names = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+            kind = "boolean" if isinstance(value, bool) else "number"
+            problems.append(f"{key}={format_value(value)}: Hydra reads this value as a {kind}, not a name; "
+                            f"valid choices in {key}: {', '.join(names)}")
+            continue
         if dataclasses.is_dataclass(hint) or hint is str:
             continue  # a group choice, or a string: Hydra turns any scalar into one
         if isinstance(value, str):
@@ -195,8 +205,7 @@ def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:
         print(f"{stopped}; no checkpoint (no round had completed): the same command starts over", flush=True)
 
 
-# An absolute path: Hydra finds it also when main() is called from an import, not only from `python -m`.
-@hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted, QuorumError
 

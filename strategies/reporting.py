@@ -20,12 +20,17 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLog:
-    """Appends one JSON object per round to ``path`` and prints progress when ``echo``."""
+    """Appends one JSON object per round to ``path`` and prints progress when ``echo``.
 
-    def __init__(self, path: Path | None, num_rounds: int, *, echo: bool = True) -> None:
+    ``f`` is the configured number of Byzantine clients: a round whose rule ran with fewer (``f_used``,
+    after validation rejected provably faulty replies or ``dedup`` took copies out) says so.
+    """
+
+    def __init__(self, path: Path | None, num_rounds: int, *, echo: bool = True, f: int | None = None) -> None:
         self.path = path
         self.num_rounds = num_rounds
         self.echo = echo
+        self.f = f
         self.rows: list[dict[str, Any]] = []
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,7 +46,7 @@ class MetricsLog:
         if self.path is not None:
             with self.path.open("a") as fh:
                 fh.write(json.dumps(row, sort_keys=True) + "\n")
-        self.say(progress_line(row, self.num_rounds))
+        self.say(progress_line(row, self.num_rounds, f=self.f))
         for line in node_lines(row):
             self.say(line)
 
@@ -71,7 +76,9 @@ def _logged_to_console(logger: logging.Logger) -> bool:
     return False
 
 
-def progress_line(row: dict[str, Any], num_rounds: int) -> str:
+def progress_line(row: dict[str, Any], num_rounds: int, *, f: int | None = None) -> str:
+    f_used = row.get("f_used")
+    lowered = f is not None and isinstance(f_used, int) and f_used < f
     rejected = row.get("rejected", {})
     why = " ".join(f"{k}={v}" for k, v in sorted(rejected.items()))
     evaluation = "".join(
@@ -86,6 +93,7 @@ def progress_line(row: dict[str, Any], num_rounds: int) -> str:
         f"dropped {row['dropped']:>2}{f' (client errors {sum(errors.values())})' if errors else ''}  "
         + (f"filtered {row['filtered']:>2}  " if row.get("filtered") else "")
         + (f"excluded {row['excluded']:>2}  " if row.get("excluded") else "")
+        + (f"f {f_used} of {f}  " if lowered else "")
         + f"train {row['seconds_train']:.2f}s agg {row['seconds_aggregate']:.3f}s "
         f"eval {row.get('seconds_evaluate', 0.0):.2f}s"
     )

@@ -73,7 +73,7 @@ class RoundLoop:
             mtbf=s.checkpoint_mtbf,
             num_rounds=num_rounds,
         )
-        self.metrics = MetricsLog(s.metrics_path, num_rounds, echo=s.progress)
+        self.metrics = MetricsLog(s.metrics_path, num_rounds, echo=s.progress, f=s.num_byzantine)
         self.discovery = Discovery(grid, s.partitions, s.answered) if s.discover_partitions else None
         self.guard = GuardState()
         self.result = Result()

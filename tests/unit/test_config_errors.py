@@ -274,6 +274,25 @@ def test_wrong_type_of_every_setting_exits_2_before_hydra(key: str, monkeypatch:
     _assert_one_problem(_cli([f"{key}={value}"], monkeypatch), f"{key}={value}: ", allowed)
 
 
+@pytest.mark.parametrize(("override", "kind"), [("attack=nan", "number"), ("attack=1", "number"),
+                                             ("aggregator=true", "boolean")])
+def test_a_group_choice_hydra_reads_as_a_number_names_the_choices(
+    override: str, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hydra's grammar makes ``attack=nan`` a float and then fails with a traceback: answer in one line."""
+
+    def composed() -> None:
+        pytest.fail("Hydra was started")
+
+    monkeypatch.setattr(run, "main", composed)
+    group = override.split("=")[0]
+    outcome = _cli([override], monkeypatch)
+    _assert_one_problem(outcome, f"{override}: ", f"Hydra reads this value as a {kind}, not a name")
+    choices = outcome.stderr.split(f"valid choices in {group}: ")[1].split(", ")
+    assert [c.strip() for c in choices] == sorted(p.stem for p in (run.CONF_DIR / group).glob("*.yaml"))
+    assert ("nan_fill" in outcome.stderr) == (group == "attack")
+
+
 def test_every_problem_is_listed_not_only_the_first(engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     outcome = _cli(["client.lr=-0.1", "client.device=gpu", "guard.divergence_factor=0.5"], monkeypatch)
     assert outcome.code == 2

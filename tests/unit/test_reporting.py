@@ -83,6 +83,18 @@ def test_the_progress_line_and_summary_name_the_replies_the_rule_gave_no_weight(
     assert "excluded" not in progress_line(quiet, 5) + "".join(node_lines(quiet)) + summary_text([quiet], 1.0)
 
 
+def test_the_progress_line_says_when_the_rule_tolerated_fewer_byzantine_clients_than_configured() -> None:
+    from fedrobust.strategies.reporting import progress_line
+
+    row = {
+        "round": 3, "accepted": 16, "rejected": {"non_finite": 4}, "dropped": 0, "f_used": 0,
+        "seconds_train": 0.5, "seconds_aggregate": 0.01,
+    }
+    assert "rejected  4 (non_finite=4)  dropped  0  f 0 of 4  train" in progress_line(row, 5, f=4)
+    assert " f " not in progress_line({**row, "f_used": 4}, 5, f=4)
+    assert " f " not in progress_line(row, 5)  # the configured f unknown: nothing to compare with
+
+
 def test_the_summary_names_the_nodes_left_out_in_most_rounds() -> None:
     from fedrobust.strategies.reporting import left_out_most, summary_text
 
