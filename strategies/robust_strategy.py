@@ -252,7 +252,8 @@ class RobustStrategy(Strategy):
         Keyword parameters of the rule.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes
         As in Flower's ``FedAvg``: the share of the (live, non-quarantined) nodes sampled per round,
-        at least ``min_*_nodes``; training waits (at most ``wait_for_nodes`` s) for
+        at least ``min_*_nodes`` (for training also at least the replies the rule needs, e.g. ``2f + 1``
+        for the trimmed mean, where that many nodes are live); training waits (at most ``wait_for_nodes`` s) for
         ``min_available_nodes`` connected nodes. ``fraction_evaluate=0`` turns federated
         evaluation off (use ``evaluate_fn`` for central evaluation).
     weighted_by_key, arrayrecord_key, configrecord_key : str
@@ -611,8 +612,12 @@ class RobustStrategy(Strategy):
         return sorted(node_ids, key=lambda n: (self.partitions.get(n, -1), n))
 
     def sample_size(self, num_eligible: int) -> int:
-        """Nodes to train in a round, as Flower's FedAvg computes it, capped at what is eligible."""
-        wanted = max(int(num_eligible * self.fraction_train + 1e-9), self.min_train_nodes)
+        """Nodes to train in a round, as Flower's FedAvg computes it, capped at what is eligible.
+
+        Never fewer than the rule needs (``min_n``, e.g. ``2f + 1``) where that many are eligible: a
+        round sampled smaller could not be aggregated even if every reply were valid.
+        """
+        wanted = max(int(num_eligible * self.fraction_train + 1e-9), self.min_train_nodes, self.aggregator.min_n())
         return min(num_eligible, wanted)
 
     def sample(self, server_round: int, eligible: Iterable[int], attempt: int = 0) -> list[int]:
@@ -730,6 +735,11 @@ class RobustStrategy(Strategy):
             outcome.why_not_aggregated = (
                 f"{len(accepted)} valid replies, {rule.label} with f={f_used} needs at least {need}"
             )
+            if outcome.sampled < need:  # no retry can help while so few nodes are there to ask
+                outcome.why_not_aggregated += (
+                    f"; only {outcome.sampled} nodes could be asked: connect more (a local simulation: its "
+                    f"federation's num-supernodes) or lower num_byzantine"
+                )
             return outcome
         start = time.perf_counter()
         assert len(matrix) == len(accepted)

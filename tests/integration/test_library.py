@@ -22,7 +22,7 @@ from flwr.simulation import run_simulation
 from sklearn.datasets import load_digits
 from torch import nn
 
-from fedrobust import RobustStrategy
+from fedrobust import QuorumError, RobustStrategy
 from tests.support.simulation import ray_backend
 
 NUM_NODES = 8
@@ -199,6 +199,39 @@ def test_standard_replies_become_updates_against_the_model_sent() -> None:
     assert torch.allclose(new["w"], torch.full((2, 2), 1.0)) and torch.allclose(new["b"], torch.full((2,), 2.0))
     with pytest.raises(RuntimeError, match="configure_train"):
         strategy.aggregate_train(2, replies)
+
+
+def _start_on_honest_nodes(strategy: RobustStrategy, num_nodes: int) -> Result:
+    """One round of ``strategy`` on ``num_nodes`` honest nodes of the in-process grid (Flower's messages)."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    honest = ClientApp()
+
+    @honest.train()
+    def _train(msg: Message, context: Context) -> Message:
+        context.node_config["partition-id"] = int(context.node_config["partition-id"]) + 3  # honest partitions
+        return train(msg, context)
+
+    grid = InProcessGrid(honest, num_nodes, seed=0)
+    with _server_identity(grid.run.run_id):
+        return strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+
+
+def test_a_round_samples_at_least_the_replies_the_rule_needs() -> None:
+    """fraction_train=0.1 of 5 nodes is 0 (min_train_nodes 2); the trimmed mean with f=2 needs 5."""
+    strategy = RobustStrategy(aggregator="trimmed_mean", num_byzantine=2, fraction_train=0.1, progress=False)
+    assert strategy.sample_size(5) == 5 and strategy.sample_size(4) == 4  # capped at what is there
+    assert RobustStrategy(aggregator="mean", fraction_train=0.1, progress=False).sample_size(5) == 2  # as FedAvg
+    result = _start_on_honest_nodes(strategy, 5)
+    assert result.train_metrics_clientapp[1]["accepted"] == 5
+
+
+def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
+    """Two nodes (a local simulation's default) and the default pipeline with f=1, which needs 3 replies."""
+    strategy = RobustStrategy(num_byzantine=1, max_round_retries=0, progress=False)
+    with pytest.raises(QuorumError, match=r"2 valid replies, .* needs at least 3; only 2 nodes could be asked: "
+                                          r"connect more .*num-supernodes\) or lower num_byzantine"):
+        _start_on_honest_nodes(strategy, 2)
 
 
 @pytest.mark.parametrize(
