@@ -215,6 +215,7 @@ def main(cfg: DictConfig) -> float:
 
     from experiments.simulate import simulate
     from fedrobust.checkpoint import CheckpointMismatchError
+    from fedrobust.data import DataUnavailableError
     from fedrobust.strategies.checkpointing import NoValidCheckpointError
 
     # Flower's logger has a console handler of its own and also passes its records on to Hydra's: each
@@ -234,8 +235,9 @@ def main(cfg: DictConfig) -> float:
         _say_preempted(stopped, run_cfg)
         sys.exit(EXIT_PREEMPTED)
     # QuorumError: also NoNodesError and ClientFailureError, nothing (more) could be trained. The
-    # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies).
-    except (QuorumError, CheckpointMismatchError, NoValidCheckpointError) as failed:
+    # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies). A Hub data set
+    # that could not be read (offline, no local copy).
+    except (QuorumError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError) as failed:
         if _full_error():
             raise
         _exit_failed(failed)

@@ -32,11 +32,12 @@ simulation, reads them without importing scikit-learn, ``datasets`` and flwr-dat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 # reading its own .npz or .safetensors file (load_local) needs none of them.
 
 __all__ = [
+    "DataUnavailableError",
     "DATASETS",
     "DATA_DIR_ENV",
     "PARTITIONERS",
@@ -76,6 +78,24 @@ logger = logging.getLogger(__name__)
 DATASETS: tuple[str, ...] = ("digits", "mnist", "cifar10")
 PARTITIONERS: tuple[str, ...] = ("iid", "dirichlet", "pathological")
 DATA_DIR_ENV = "FEDROBUST_DATA_DIR"
+
+
+class DataUnavailableError(RuntimeError):
+    """A Hub data set could not be read: no network (or Hugging Face's offline mode) and no local copy."""
+
+
+@contextlib.contextmanager
+def _from_hub(name: str) -> Iterator[None]:
+    """Turn the Hub's network errors into one that says what to do offline."""
+    try:
+        yield
+    except OSError as err:  # datasets raises ConnectionError("Couldn't reach ... on the Hub")
+        hub_id = _HUB_SOURCES[name].hub_id
+        raise DataUnavailableError(
+            f"dataset {name}: could not read {hub_id} from the Hugging Face Hub ({err}); offline, set "
+            f"{DATA_DIR_ENV} (or data_dir) to a folder holding a copy in {hub_id}/, or use the digits data "
+            f"set, which ships with scikit-learn"
+        ) from err
 
 _LABEL = "label"
 _DIGITS_FEATURE = "x"
@@ -562,7 +582,8 @@ def _partition_loader(
     # failure (Dirichlet out of retries) is raised before anything is cached, so every later call rebuilds from
     # the seed and fails or succeeds the same way.
     try:
-        load(0)
+        with _from_hub(name) if name != "digits" and data_dir is None else contextlib.nullcontext():
+            load(0)
     except ValueError as err:
         if partitioner != "dirichlet":
             raise
@@ -610,7 +631,9 @@ def _test_tensors(name: str, seed: int, data_dir: str | None) -> tuple[torch.Ten
         return torch.from_numpy(hit["x"].copy()), torch.from_numpy(hit["y"].copy())
     # Only the test split is read; FederatedDataset requires a partitioner, and one partition of it is unused.
     fds = _federated_dataset(name, {"train": 1}, shuffle=False, seed=seed, data_dir=data_dir)
-    return _to_tensors(name, fds.load_split("test")).tensors  # type: ignore[return-value]
+    with _from_hub(name) if data_dir is None else contextlib.nullcontext():
+        test = fds.load_split("test")
+    return _to_tensors(name, test).tensors  # type: ignore[return-value]
 
 
 def _to_tensors(name: str, split: datasets.Dataset) -> TensorDataset:

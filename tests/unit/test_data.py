@@ -294,6 +294,29 @@ def test_hub_dataset_missing_local_copy(tmp_path: Path) -> None:
         data.load_test_set("cifar10", data_dir=tmp_path)
 
 
+@pytest.mark.parametrize("load", ["load_test_set('mnist')", "load_partition('cifar10', 0, 2)"])
+def test_hub_dataset_offline_without_a_copy_says_what_to_do(load: str, tmp_path: Path) -> None:
+    """No network (Hugging Face's offline mode stands for it) and no local copy: one error that names the
+    environment variable and the offline data set, not the Hub's bare ConnectionError."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != data.DATA_DIR_ENV}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    code = (
+        "from fedrobust import data\n"
+        "try:\n"
+        f"    data.{load}\n"
+        "except data.DataUnavailableError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "from the Hugging Face Hub" in done.stdout and data.DATA_DIR_ENV in done.stdout, done.stdout
+    assert "digits" in done.stdout, done.stdout
+
+
 def test_a_device_reading_its_own_file_imports_no_dataset_library(tmp_path: Path) -> None:
     """A SuperNode starts a ClientApp process per message: reading a device's .npz must not pay for
     Hugging Face datasets, flwr-datasets or scikit-learn (about 2.3 s of CPU to import)."""
