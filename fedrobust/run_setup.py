@@ -177,12 +177,18 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     except (TypeError, ValueError) as err:
         _problem(problems, "aggregator.pre_params", cfg.aggregator.pre_params, str(err))
         return
-    # The rule's min_n checks f against the round size.
-    if 1 <= cfg.clients_per_round < rule.min_n():
+    # The rule's min_n checks f, and the rule's own parameters (trimmed_mean's trim), against the round size.
+    need = rule.min_n()
+    if 1 <= cfg.clients_per_round < need:
+        f = cfg.num_byzantine
+        key, what = "num_byzantine", f"f={f} is too large"
+        value: Any = f
+        if cfg.aggregator.params and aggregators.build(cfg.rule(), f=f).min_n() <= cfg.clients_per_round:
+            key, value, what = "aggregator.params", cfg.aggregator.params, f"with f={f} these are too large"
         _problem(
-            problems, "num_byzantine", cfg.num_byzantine,
-            f"f={cfg.num_byzantine} is too large for {rule_label}: it needs at least {rule.min_n()} "
-            f"replies per round, but clients_per_round={cfg.clients_per_round}",
+            problems, key, value,
+            f"{what} for {rule_label}: it needs at least {need} replies per round, but "
+            f"clients_per_round={cfg.clients_per_round}",
         )
 
 

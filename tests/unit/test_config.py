@@ -96,6 +96,15 @@ def test_f_too_large_for_rule_names_requirement() -> None:
         validate(_compose("aggregator=krum", "num_byzantine=4", "clients_per_round=8"))
 
 
+def test_a_parameter_too_large_for_the_round_is_named_not_f() -> None:
+    # trimmed_mean with f=4 needs 9 of 20 replies; trim=12 needs 25: the parameter is at fault, not f.
+    with pytest.raises(ValueError, match=r'aggregator.params=\{"trim": 12\}: with f=4 these are too large for '
+                                         r"trimmed_mean: it needs at least 25 replies per round"):
+        validate(_compose("aggregator=trimmed_mean", "+aggregator.params.trim=12"))
+    with pytest.raises(ValueError, match=r"num_byzantine=10: f=10 is too large for trimmed_mean"):
+        validate(_compose("aggregator=trimmed_mean", "num_byzantine=10", "+aggregator.params.trim=1"))
+
+
 def test_type_error_fails_before_run() -> None:
     with pytest.raises(Exception, match="num_rounds"):
         _compose("num_rounds=many")
