@@ -22,7 +22,7 @@ from flwr.simulation import run_simulation
 from sklearn.datasets import load_digits
 from torch import nn
 
-from fedrobust import QuorumError, RobustStrategy
+from fedrobust import NoNodesError, QuorumError, RobustStrategy
 from tests.support.simulation import ray_backend
 
 NUM_NODES = 8
@@ -231,6 +231,13 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
     strategy = RobustStrategy(num_byzantine=1, max_round_retries=0, progress=False)
     with pytest.raises(QuorumError, match=r"2 valid replies, .* needs at least 3; only 2 nodes could be asked: "
                                           r"connect more .*num-supernodes\) or lower num_byzantine"):
+        _start_on_honest_nodes(strategy, 2)
+
+
+def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -> None:
+    strategy = RobustStrategy(num_byzantine=1, min_available_nodes=5, wait_for_nodes=0.5, progress=False)
+    with pytest.raises(NoNodesError, match=r"^2 of the 5 nodes needed \(min_available_nodes\) connected within "
+                                           r"0.5 s; nothing was trained. Start more nodes \(a local simulation"):
         _start_on_honest_nodes(strategy, 2)
 
 
