@@ -22,6 +22,7 @@ from flwr.simulation import run_simulation
 
 from experiments.adversary import omniscient_hook
 from experiments.client_state import with_client_state
+from fedrobust import components
 from fedrobust.checkpoint import open_store
 from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import RunConfig
@@ -35,6 +36,18 @@ log = logging.getLogger(__name__)
 # Seconds Flower's engine gets to shut down after the server stopped on a stop request. A healthy
 # shutdown takes a few seconds; Ray ends a process whose control store is gone after 60 s.
 STOP_TEARDOWN_TIMEOUT = 10.0
+
+
+class _WithoutRunSimulationNotice(logging.Filter):
+    """Drop Flower's notice that ``run_simulation`` is deprecated in favour of ``flwr run``.
+
+    It is addressed to whoever calls ``run_simulation``, here this module, not to the user of
+    ``python -m experiments.run``, who could do nothing about it (``flwr run .`` is the project's
+    other way to run, docs/flwr_run.md).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "`run_simulation` function is deprecated" not in record.getMessage()
 
 
 def _start_ray(verbose: bool) -> None:
@@ -87,8 +100,12 @@ def simulate(
         When the server did not finish all rounds for another reason.
     """
     validate(cfg)
+    # The server's evaluation data, read before Ray starts: a data set that cannot be read (a Hub data
+    # set offline, a user loader that fails) fails in seconds, and the server's own read is a cache hit.
+    components.load_evaluation_set(cfg)
+    flwr_logger = logging.getLogger("flwr")
     if not verbose:  # Flower logs every actor and backend step at DEBUG
-        logging.getLogger("flwr").setLevel(logging.INFO)
+        flwr_logger.setLevel(logging.INFO)
     _start_ray(verbose)
     # After ray.init, which replaces the SIGTERM handler with its own sys.exit. The strategy is
     # built inside the ServerApp, so a signal that comes first is remembered and passed on.
@@ -124,6 +141,8 @@ def simulate(
                 watchdog.append(_watch_teardown(stopped, signals, on_stuck_stop))
             raise
 
+    notice_filter = _WithoutRunSimulationNotice()
+    flwr_logger.addFilter(notice_filter)
     try:
         run_simulation(
             server_app=server_app,
@@ -144,6 +163,7 @@ def simulate(
             raise Preempted(f"stopped ({type(err).__name__}: {err})", checkpointed=_has_checkpoint(cfg)) from err
         raise
     finally:
+        flwr_logger.removeFilter(notice_filter)
         for timer in watchdog:
             timer.cancel()
     if stop.is_set():  # the run was complete when the signal came

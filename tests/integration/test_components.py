@@ -327,6 +327,29 @@ def test_bad_target_exits_before_the_run_on_the_command_line(tmp_path: Path) -> 
     assert "model._target_=fr_no_such_pkg.Net: cannot import" in res.stderr
 
 
+@pytest.mark.slow
+def test_a_dataset_that_cannot_be_read_fails_before_the_engine_starts(tmp_path: Path) -> None:
+    """Offline without a local copy of MNIST: one line that says what to do, before Ray is started."""
+    import os
+
+    from fedrobust import data
+
+    env = {k: v for k, v in os.environ.items() if k != data.DATA_DIR_ENV}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "dataset=mnist", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert "fedrobust: run failed: dataset mnist: could not read ylecun/mnist" in out and data.DATA_DIR_ENV in out
+    assert "Ray instance" not in out, out  # Ray logs "Started a local Ray instance." when it starts
+
+
 @pytest.mark.slow(seconds=30)
 @pytest.mark.timeout(360)
 def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) -> None:
