@@ -314,15 +314,17 @@ def test_user_components_train_in_a_hydra_experiment(on_path: Path, tmp_path: Pa
     )
 
 
+def _experiment_command(
+    run_dir: Path, *overrides: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m experiments.run overrides`` as a user types it, its output captured."""
+    command = [sys.executable, "-m", "experiments.run", *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+
+
 @pytest.mark.slow
 def test_bad_target_exits_before_the_run_on_the_command_line(tmp_path: Path) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", "experiments.run", "model._target_=fr_no_such_pkg.Net", f"hydra.run.dir={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = _experiment_command(tmp_path, "model._target_=fr_no_such_pkg.Net")
     assert res.returncode == 2, res.stderr
     assert "model._target_=fr_no_such_pkg.Net: cannot import" in res.stderr
 
@@ -336,14 +338,7 @@ def test_a_dataset_that_cannot_be_read_fails_before_the_engine_starts(tmp_path: 
 
     env = {k: v for k, v in os.environ.items() if k != data.DATA_DIR_ENV}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "experiments.run", "dataset=mnist", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    res = _experiment_command(tmp_path / "run", "dataset=mnist", env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out
     assert "fedrobust: run failed: dataset mnist: could not read ylecun/mnist" in out and data.DATA_DIR_ENV in out
