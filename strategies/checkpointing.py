@@ -229,15 +229,19 @@ class RoundCheckpointer:
             self.store.wait()
         return True
 
-    def restore(self) -> ResumePoint | None:
+    def restore(self, model: Mapping[str, Any] | None = None) -> ResumePoint | None:
         """The latest valid checkpoint (``resume=auto``) of the store or its mirror, or None when there is none.
 
         With the adaptive interval, its saved state is restored and this resume recorded as a restart.
+        ``model``, the run's initial arrays (Flower ``Array`` or tensors by key), is what the checkpoint's
+        model must match, key by key, in shape and dtype.
 
         Raises
         ------
         CheckpointMismatchError
-            The newest valid checkpoint was saved with other settings (named) and not ``force``.
+            The newest valid checkpoint was saved with other settings (named) and not ``force``, or holds
+            another model than ``model`` (its keys, shapes or dtypes named; ``force`` does not help there:
+            the clients could not load it).
         NoValidCheckpointError
             Checkpoints exist but none verifies; the message lists each one with its reason.
             ``resume='never'`` starts fresh and moves them aside (``aside-<time>-round-*``).
@@ -275,6 +279,14 @@ class RoundCheckpointer:
                 )
             log.warning("%s; resuming anyway (forced)", message)
         groups = split_groups(checkpoint.tensors)
+        differ = [] if model is None else model_differences(groups["model"], model)
+        if differ:
+            raise CheckpointMismatchError(
+                f"checkpoint {checkpoint.path} (round {checkpoint.round}) holds another model than the run's "
+                f"initial arrays: {'; '.join(differ)}. Resume with the model it was saved with, or use another "
+                "checkpoint directory (or resume='never', checkpoint.resume=never: earlier checkpoints are moved "
+                "aside, not deleted)."
+            )
         restore_rng_state(groups.get("rng", {}), meta["rng"])
         self.last_round = checkpoint.round
         self.resumed_from = checkpoint.path
@@ -325,6 +337,33 @@ def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: s
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
+
+
+def model_differences(saved: Mapping[str, torch.Tensor], model: Mapping[str, Any], shown: int = 4) -> list[str]:
+    """What tells a checkpoint's model from ``model`` (Flower ``Array`` or tensors by key): the keys one of them
+    lacks, and each shared key whose shape or dtype differs; at most ``shown`` names per kind."""
+
+    def layout(value: Any) -> tuple[tuple[int, ...], str]:
+        return tuple(value.shape), str(value.dtype).removeprefix("torch.")
+
+    def listed(what: str, keys: list[str]) -> list[str]:
+        if not keys:
+            return []
+        more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+        return [f"{what} {', '.join(keys[:shown])}{more}"]
+
+    missing = [k for k in model if k not in saved]
+    extra = [k for k in saved if k not in model]
+    changed = [
+        f"{k} {layout(saved[k])[0]} {layout(saved[k])[1]} -> {layout(model[k])[0]} {layout(model[k])[1]}"
+        for k in model
+        if k in saved and layout(saved[k]) != layout(model[k])
+    ]
+    return (
+        listed("not in the checkpoint:", missing)
+        + listed("only in the checkpoint:", extra)
+        + listed("shape or dtype differs:", changed)
+    )
 
 
 def model_is_finite(state: Mapping[str, torch.Tensor]) -> bool:

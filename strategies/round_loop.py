@@ -92,14 +92,13 @@ class RoundLoop:
         s.summary()
         arrays = initial_arrays
         first_round = 1
-        resumed = self.checkpointer.restore()
+        resumed = self.checkpointer.restore(initial_arrays)
         if resumed is not None:
             # In the model's own key order, as an uninterrupted run keeps it: the checkpoint gives its
             # tensors back in safetensors' order, and the order of the keys is the layout of the update
             # rows (and of the aggregator's flat state), so the rules' rounding would differ after a resume.
             state = resumed.global_state
-            order = [k for k in initial_arrays if k in state] + [k for k in state if k not in initial_arrays]
-            arrays = ArrayRecord({k: state[k] for k in order})
+            arrays = ArrayRecord({k: state[k] for k in initial_arrays})  # restore() checked: the same keys
             s.load_state_dict(resumed.strategy_tensors, resumed.strategy_meta)
             self.guard = resumed.guard
             self.client_states = client_state.decode(resumed.client_tensors, resumed.client_state)

@@ -23,6 +23,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from fedrobust import NoNodesError, QuorumError, RobustStrategy
+from fedrobust.checkpoint import CheckpointMismatchError
 from tests.support.simulation import ray_backend
 
 NUM_NODES = 8
@@ -201,8 +202,9 @@ def test_standard_replies_become_updates_against_the_model_sent() -> None:
         strategy.aggregate_train(2, replies)
 
 
-def _start_on_honest_nodes(strategy: RobustStrategy, num_nodes: int) -> Result:
-    """One round of ``strategy`` on ``num_nodes`` honest nodes of the in-process grid (Flower's messages)."""
+def _start_on_honest_nodes(strategy: RobustStrategy, num_nodes: int, initial: nn.Module | None = None) -> Result:
+    """One round of ``strategy`` on ``num_nodes`` honest nodes of the in-process grid (Flower's messages),
+    from the weights of ``initial`` (default: the task's net)."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
     honest = ClientApp()
@@ -214,7 +216,8 @@ def _start_on_honest_nodes(strategy: RobustStrategy, num_nodes: int) -> Result:
 
     grid = InProcessGrid(honest, num_nodes, seed=0)
     with _server_identity(grid.run.run_id):
-        return strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+        model = make_net() if initial is None else initial
+        return strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=1)
 
 
 def test_a_round_samples_at_least_the_replies_the_rule_needs() -> None:
@@ -239,6 +242,21 @@ def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -
     with pytest.raises(NoNodesError, match=r"^2 of the 5 nodes needed \(min_available_nodes\) connected within "
                                            r"0.5 s; nothing was trained. Start more nodes \(a local simulation"):
         _start_on_honest_nodes(strategy, 2)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path: Path) -> None:
+    """A second start() on the same checkpoint directory with another model: refused before any round
+    (the clients could not load the checkpoint's weights), naming the keys and shapes."""
+    _start_on_honest_nodes(RobustStrategy(checkpoint_dir=tmp_path, progress=False), 5)
+    narrower = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    with pytest.raises(CheckpointMismatchError, match=r"holds another model than the run's initial arrays: shape "
+                                                      r"or dtype differs: 0.weight \(32, 64\) float32 -> \(16, 64\) "
+                                                      r"float32, 0.bias \(32,\) float32 -> \(16,\) float32, 2.weight"):
+        _start_on_honest_nodes(RobustStrategy(checkpoint_dir=tmp_path, progress=False), 5, initial=narrower)
+    with_norm = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+    missing_and_extra = r"not in the checkpoint: 1.weight, 1.bias, 1.running_mean, 1.running_var and 3 more; only in "
+    with pytest.raises(CheckpointMismatchError, match=missing_and_extra + r"the checkpoint: 2.bias, 2.weight\."):
+        _start_on_honest_nodes(RobustStrategy(checkpoint_dir=tmp_path, progress=False), 5, initial=with_norm)
 
 
 @pytest.mark.parametrize(
