@@ -353,7 +353,7 @@ def model_differences(saved: Mapping[str, torch.Tensor], model: Mapping[str, Any
         return [f"{what} {', '.join(keys[:shown])}{more}"]
 
     missing = [k for k in model if k not in saved]
-    extra = [k for k in saved if k not in model]
+    extra = sorted(k for k in saved if k not in model)  # the checkpoint's order is not the model's
     changed = [
         f"{k} {layout(saved[k])[0]} {layout(saved[k])[1]} -> {layout(model[k])[0]} {layout(model[k])[1]}"
         for k in model
