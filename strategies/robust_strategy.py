@@ -79,6 +79,7 @@ class RoundOutcome:
     excluded: list[int] = field(default_factory=list)  # node ids: accepted, given no weight by the rule
     client_errors: Counter[str] = field(default_factory=Counter)  # error message -> replies
     f_used: int = 0
+    needed: int = 0  # the valid replies the rule needed (with f_used)
     aggregated: bool = False
     why_not_aggregated: str = ""
     arrays: ArrayRecord | None = None
@@ -560,6 +561,7 @@ class RobustStrategy(Strategy):
         self._step_out: torch.Tensor | None = None  # the new global vector, copied into the ArrayRecord
         self._stop = threading.Event()
         self._rules: dict[int, aggregators.Aggregator] = {num_byzantine: self.aggregator}
+        self._said_more_faulty = False  # the warning that more nodes were proven faulty than f, once a run
 
     # ------------------------------------------------------------------ settings
     def _own_settings(self) -> dict[str, Any]:
@@ -728,18 +730,23 @@ class RobustStrategy(Strategy):
             accepted = self._run_hook(server_round, accepted, matrix, outcome, server_update)
         outcome.accepted = [u.node_id for u in accepted]
         outcome.train_metrics = _mean_metrics(accepted)
-        rule, f_used = self._rule_after(outcome)
+        proven = self._proven_faulty(outcome)
+        self._say_if_more_faulty(server_round, len(proven))
+        f_used = max(0, self.num_byzantine - len(proven))
+        rule = self._rule_for(f_used)
         outcome.f_used = f_used
-        need = rule.min_n()
+        need = outcome.needed = rule.min_n()
         if len(accepted) < need:
+            lowered = f" (num_byzantine={self.num_byzantine} less {len(proven)} proven faulty)" if proven else ""
             outcome.why_not_aggregated = (
-                f"{len(accepted)} valid replies, {rule.label} with f={f_used} needs at least {need}"
+                f"{len(accepted)} valid replies, {rule.label} with f={f_used}{lowered} needs at least {need}"
             )
             if outcome.sampled < need:  # no retry can help while so few nodes are there to ask
                 outcome.why_not_aggregated += (
                     f"; only {outcome.sampled} nodes could be asked: connect more (a local simulation: its "
-                    f"federation's num-supernodes) or lower num_byzantine"
+                    f"federation's num-supernodes; a deployment: see flwr supernode ls) or lower num_byzantine"
                 )
+            outcome.why_not_aggregated += _rejections_text(outcome)
             return outcome
         start = time.perf_counter()
         assert len(matrix) == len(accepted)
@@ -781,13 +788,33 @@ class RobustStrategy(Strategy):
         return flatten([update], matrix.keys)[0]
 
     def _rule_after(self, outcome: RoundOutcome) -> tuple[aggregators.Aggregator, int]:
-        """The rule for the round so far, and its ``f``: nodes proven faulty (a reply rejected this
-        round, or quarantined for earlier ones) are Byzantine nodes the rule no longer has to outvote
-        among the accepted rows."""
+        """The rule for the round so far, and its ``f``: nodes proven faulty are Byzantine nodes the rule
+        no longer has to outvote among the accepted rows."""
+        f = max(0, self.num_byzantine - len(self._proven_faulty(outcome)))
+        return self._rule_for(f), f
+
+    def _proven_faulty(self, outcome: RoundOutcome) -> set[int]:
+        """Nodes proven faulty: a reply rejected this round, or quarantined for earlier ones."""
         proven = {e["node"] for e in outcome.rejected_nodes}
         proven.update(n for n in self.liveness.known_nodes() if self.liveness.status(n) == "quarantined")
-        f = max(0, self.num_byzantine - len(proven))
-        return self._rule_for(f), f
+        return proven
+
+    def _say_if_more_faulty(self, server_round: int, proven: int) -> None:
+        """Warn, once a run, when more nodes were proven faulty than ``num_byzantine``: the rule's assumption
+        of at most f faulty nodes is then known not to hold, and faulty nodes that validation cannot see
+        may be left with no rows to outvote them."""
+        if proven <= self.num_byzantine or self._said_more_faulty:
+            return
+        self._said_more_faulty = True
+        log.warning(
+            "round %d: %d nodes proven faulty (rejected or quarantined), more than num_byzantine=%d: the rule "
+            "tolerates f faulty nodes, and misconfigured nodes count among them; raise num_byzantine to the "
+            "number of nodes that may misbehave, or fix the rejected ones (their reasons are in the round's "
+            "line). Said once a run.",
+            server_round,
+            proven,
+            self.num_byzantine,
+        )
 
     def _rule_for(self, f: int) -> aggregators.Aggregator:
         """The configured pipeline with ``f`` (a lower f after rejections); state shared with the main one."""
@@ -1088,6 +1115,18 @@ def _first_line(text: str | None) -> str:
     """The message of a client's error: Flower's reason holds a traceback; its last line says what failed."""
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     return (lines[-1] if lines else "unknown error")[:200]
+
+
+def _rejections_text(outcome: RoundOutcome, shown: int = 3) -> str:
+    """``; rejected 5: 5x malformed_reply ('num-examples' missing or not a number)``: the most common reasons,
+    each with the detail of its first reply, or nothing when no reply was rejected."""
+    if not outcome.rejected_nodes:
+        return ""
+    detail: dict[str, str] = {}
+    for entry in outcome.rejected_nodes:
+        detail.setdefault(entry["reason"], entry["detail"])
+    parts = "; ".join(f"{n}x {reason} ({detail[reason]})" for reason, n in outcome.rejected.most_common(shown))
+    return f"; rejected {sum(outcome.rejected.values())}: {parts}"
 
 
 def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float]:

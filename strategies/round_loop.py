@@ -297,6 +297,8 @@ class RoundLoop:
             if not messages:
                 outcome.why_not_aggregated = "no eligible node to sample"
             self._say_not_aggregated(outcome, attempt)
+            if self._retry_cannot_help(outcome):
+                break
             only_errors = not outcome.accepted and not outcome.rejected
             if outcome.client_errors and only_errors and len(outcome.client_errors) == 1:
                 message, count = next(iter(outcome.client_errors.items()))
@@ -307,10 +309,17 @@ class RoundLoop:
         assert outcome is not None
         if not outcome.aggregated or outcome.arrays is None:
             raise QuorumError(
-                f"round {server_round}: not aggregated after {attempts} attempts ({outcome.why_not_aggregated})"
+                f"round {server_round}: not aggregated after {attempts} attempt{'s' if attempts > 1 else ''} "
+                f"({outcome.why_not_aggregated})"
                 + _errors_text(outcome)
             )
         return self._row(outcome, attempts, time.perf_counter() - t0), outcome.arrays
+
+    def _retry_cannot_help(self, outcome: RoundOutcome) -> bool:
+        """Every connected node was asked and replied validly, and they are fewer than the rule needs: a retry
+        would ask the same nodes for as few replies (``max_round_retries`` is for replies lost or rejected)."""
+        clean = not (outcome.rejected or outcome.dropped or outcome.client_errors)
+        return clean and outcome.sampled < outcome.needed and len(list(self.grid.get_node_ids())) <= outcome.sampled
 
     def _enough_replies(self, target: int) -> Callable[[list[Message]], bool]:
         """When to stop waiting: ``target`` valid replies, or a stop request (the round is then

@@ -230,11 +230,37 @@ def test_a_round_samples_at_least_the_replies_the_rule_needs() -> None:
 
 
 def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
-    """Two nodes (a local simulation's default) and the default pipeline with f=1, which needs 3 replies."""
-    strategy = RobustStrategy(num_byzantine=1, max_round_retries=0, progress=False)
-    with pytest.raises(QuorumError, match=r"2 valid replies, .* needs at least 3; only 2 nodes could be asked: "
-                                          r"connect more .*num-supernodes\) or lower num_byzantine"):
+    """Two nodes (a local simulation's default) and the default pipeline with f=1, which needs 3 replies:
+    both nodes were asked and replied validly, so the round is not retried (a retry would ask the same two)."""
+    strategy = RobustStrategy(num_byzantine=1, max_round_retries=2, progress=False)
+    with pytest.raises(QuorumError, match=r"round 1: not aggregated after 1 attempt \(2 valid replies, .* needs at "
+                                          r"least 3; only 2 nodes could be asked: connect more .*num-supernodes; a "
+                                          r"deployment: see flwr supernode ls\) or lower num_byzantine\)$"):
         _start_on_honest_nodes(strategy, 2)
+
+
+def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplog: pytest.LogCaptureFixture) -> None:
+    """Every node replies without ``num-examples`` (the usual first mistake): the reason is in the error,
+    and the lowered f is explained; more nodes proven faulty than num_byzantine is warned about once."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    no_count = ClientApp()
+
+    @no_count.train()
+    def _train(msg: Message, context: Context) -> Message:
+        metrics = MetricRecord({"train_loss": 0.5})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    grid = InProcessGrid(no_count, 3, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
+    with _server_identity(grid.run.run_id), pytest.raises(
+        QuorumError,
+        match=r"round 1: not aggregated after 2 attempts \(0 valid replies, median with f=0 \(num_byzantine=1 "
+        r"less 3 proven faulty\) needs at least 1; rejected 3: 3x malformed_reply \('num-examples' missing",
+    ):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    warnings = [r.getMessage() for r in caplog.records if "more than num_byzantine" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("round 1: 3 nodes proven faulty"), warnings
 
 
 def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -> None:
