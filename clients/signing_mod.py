@@ -101,8 +101,13 @@ def sign_reply(
         log.warning("train reply has no arrays or metrics to sign: left unsigned")
         return None
     num_examples = metrics.get(protocol.NUM_EXAMPLES)
-    if not isinstance(num_examples, int):  # as sign_update refuses it
-        raise ValueError(f"num_examples must be an integer, got {type(num_examples).__name__}")
+    # A whole float (96.0) is signed as the integer, as the server verifies it; anything else goes unsigned
+    # (the server rejects a count that is not a number, or an unsigned reply when it requires signatures).
+    if isinstance(num_examples, float) and num_examples.is_integer():
+        num_examples = int(num_examples)
+    if isinstance(num_examples, bool) or not isinstance(num_examples, int):
+        log.warning("train reply's %r is %r, not a whole number: left unsigned", protocol.NUM_EXAMPLES, num_examples)
+        return None
     sig = signing.sign_update(
         key,
         run_id=str(context.run_id),

@@ -285,6 +285,32 @@ def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path: 
         _start_on_honest_nodes(RobustStrategy(checkpoint_dir=tmp_path, progress=False), 5, initial=with_norm)
 
 
+def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsigned() -> None:
+    """``num-examples`` as 96.0 is a count the server accepts: the mod signs it as the integer the server
+    verifies. A count the server rejects anyway (2.5) goes unsigned rather than failing the ClientApp."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+    from fedrobust import signing, signing_mod
+
+    keys = [signing.derive_keypair(7, partition)[0] for partition in range(3)]
+    trust = signing.TrustStore()
+    for key in keys:
+        trust.add(key.public_key())
+    counts = {0: 96.0, 1: 40, 2: 2.5}
+    app = ClientApp(mods=[signing_mod(lambda context: keys[int(context.node_config["partition-id"])])])
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        metrics = MetricRecord({"num-examples": counts[int(context.node_config["partition-id"])]})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    grid = InProcessGrid(app, 3, seed=0)
+    strategy = RobustStrategy(aggregator="mean", signing=trust, require_signatures=True, progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["accepted"] == 2 and metrics["rejected.missing_signature"] == 1, dict(metrics)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
