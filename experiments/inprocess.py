@@ -298,7 +298,6 @@ def run_inprocess(
         if out_dir is None:
             out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)
         app = with_client_state(client_app if client_app is not None else make_client_app(cfg))
         grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat(), nodes=nodes)
         with _server_identity(grid.run.run_id):

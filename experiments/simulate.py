@@ -124,8 +124,7 @@ def simulate(
 
     signals = install_stop_handlers(request_stop)
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = out_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)
+    metrics_path = out_dir / "metrics.jsonl"  # the strategy starts it over, or rewrites it on a resume
     server_app = ServerApp()
     preempted: list[Preempted] = []
 

@@ -95,6 +95,8 @@ def strategy_from_config(
         seed=cfg.seed,
         discover_partitions=True,
         metrics_path=out_dir / "metrics.jsonl" if out_dir is not None else None,
+        # Once the run goes ahead: a refused resume leaves the record of the earlier run's settings alone.
+        on_start=(lambda _first: (out_dir / "resolved_config.json").write_text(cfg.to_json())) if out_dir else None,
         progress=progress,
         update_hook=update_hook,
         # Lazy: the root data set is loaded only if the rule asks for the server's update (fltrust).

@@ -341,7 +341,12 @@ class RobustStrategy(Strategy):
         sampling and aggregation order follow partitions rather than random node ids: runs are then
         bit-reproducible across simulations. Off by default: any ClientApp works.
     metrics_path : str or PathLike, optional
-        Append one JSON row per round here.
+        One JSON row per round, written as each round ends; a fresh run starts the file over, a resumed
+        one rewrites it with the checkpoint's rows first.
+    on_start : callable, optional
+        ``on_start(first_round)``, called once the run's starting point is settled, before any round: 1,
+        or the round after the checkpoint resumed from. A resume refused (other settings or model) raises
+        before it, so e.g. a run's record of its settings is written only for a run that goes ahead.
     progress : bool
         Print one line per round and a final summary.
     return_freed_memory : bool
@@ -406,6 +411,7 @@ class RobustStrategy(Strategy):
         seed: int = 0,
         discover_partitions: bool = False,
         metrics_path: str | os.PathLike[str] | None = None,
+        on_start: Callable[[int], object] | None = None,
         progress: bool = True,
         return_freed_memory: bool = True,
         update_hook: UpdateHook | None = None,
@@ -541,6 +547,7 @@ class RobustStrategy(Strategy):
         self.seed = seed
         self.discover_partitions = discover_partitions
         self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.on_start = on_start
         self.progress = progress
         self.update_hook = update_hook
         self.return_freed_memory = return_freed_memory

@@ -108,10 +108,14 @@ class RoundLoop:
                 self._record(row)
             first_round = resumed.round + 1
             self.metrics.say(f"resumed after round {resumed.round} from {self.checkpointer.resumed_from}")
-        elif self.evaluate_fn is not None:
-            initial = self.evaluate_fn(0, arrays)
-            if initial is not None:
-                self.result.evaluate_metrics_serverapp[0] = initial
+        else:
+            self.metrics.restore([])  # a fresh run: no rows of an earlier one in its metrics file
+            if self.evaluate_fn is not None:
+                initial = self.evaluate_fn(0, arrays)
+                if initial is not None:
+                    self.result.evaluate_metrics_serverapp[0] = initial
+        if s.on_start is not None:
+            s.on_start(first_round)
         self.result.arrays = arrays
         try:
             if first_round <= self.num_rounds:

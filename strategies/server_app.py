@@ -232,7 +232,6 @@ def run_experiment(
     """
     validate(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "resolved_config.json").write_text(cfg.to_json())
     strategy = strategy_from_config(cfg, out_dir=out_dir, update_hook=update_hook, progress=progress)
     if on_strategy is not None:
         on_strategy(strategy)

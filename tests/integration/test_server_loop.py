@@ -62,6 +62,25 @@ def test_checkpoint_of_another_configuration_is_refused_unless_forced(tmp_path: 
     assert [r["round"] for r in run_inprocess(more_rounds, Path(more_rounds.output_dir))] == [1, 2, 3, 4]
 
 
+def test_a_refused_resume_leaves_the_earlier_run_s_files_alone(tmp_path: Path) -> None:
+    """The same output and checkpoint directories, another setting: the resume is refused, and the metrics,
+    resolved config and final model there still describe the earlier run."""
+    shared = {"checkpoint.dir": str(tmp_path / "ckpt"), "output_dir": str(tmp_path / "out")}
+    first = small_config(tmp_path, num_rounds=2, **shared)
+    run_inprocess(first, Path(first.output_dir))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert {"metrics.jsonl", "resolved_config.json", "final_model.safetensors"} <= set(before)
+
+    changed = small_config(tmp_path, num_rounds=3, **shared, **{"client.lr": 0.2})
+    with pytest.raises(CheckpointMismatchError, match=r"client.lr: 0.3 -> 0.2"):
+        run_inprocess(changed, Path(changed.output_dir))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+    fresh = small_config(tmp_path, num_rounds=1, **shared, **{"checkpoint.resume": "never"})
+    rows = run_inprocess(fresh, Path(fresh.output_dir))
+    assert [r["round"] for r in rows] == [1]  # a fresh run's metrics start over, without the earlier rows
+
+
 def test_same_config_and_seed_give_the_same_final_model_bytes(tmp_path: Path) -> None:
     # Across Flower's Ray engine and process restarts, see tests/process/test_fault_processes.py.
     outputs = []
