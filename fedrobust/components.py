@@ -77,7 +77,10 @@ logger = logging.getLogger(__name__)
 
 MODEL_PROTOCOL = "a torch.nn.Module factory, e.g. Net(*, hidden=64) or Net(input_shape, num_classes, ...)"
 DATASET_PROTOCOL = "a loader returning (train, test) torch Datasets of (x, y) pairs or Hugging Face Datasets"
-RULE_PROTOCOL = "a rule factory called with f and params, e.g. MyRule(f, **params), whose object maps [n, d] -> [d]"
+RULE_PROTOCOL = (
+    "a rule factory called with f and params, e.g. MyRule(f, **params), whose object maps [n, d] -> [d]; or, "
+    "without params, that [n, d] -> [d] callable itself"
+)
 
 
 # ------------------------------------------------------------------------------------ import
@@ -144,6 +147,17 @@ def _accepts(target: Callable[..., Any], name: str) -> bool:
         p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
         for p in params
     )
+
+
+def _required_positionals(target: Callable[..., Any]) -> int | None:
+    """How many positional arguments ``target`` needs (None: no signature to read); for a class, its
+    constructor's."""
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
 
 
 def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], path: str, protocol: str) -> Any:
@@ -447,8 +461,15 @@ def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any
     """
     label = _rule_label(target)
     factory = _resolve(target, RULE_PROTOCOL) if isinstance(target, str) else target
+    if isinstance(factory, Rule):
+        return factory  # built already, with its own f
     if not callable(factory):
         raise ValueError(f"aggregator {target!r} is neither a rule name, a dotted path nor callable")
+    takes_one = not isinstance(factory, type) and _required_positionals(factory) == 1
+    if takes_one and not params and not _accepts(factory, "f"):
+        # Called with nothing, it could not be a factory: it is the [n, d] -> [d] rule itself (a plain
+        # function, or an object built already), as a user coming from Flower's strategies writes one.
+        return UserRule(factory, f, label)
     if isinstance(factory, type) and issubclass(factory, Rule):
         kwargs = dict(params)
         try:

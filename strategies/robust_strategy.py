@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 import os
 import threading
 import time
@@ -147,6 +148,24 @@ ServerUpdateFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, torch.
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _check_keys(name: str, given: Mapping[str, Any] | None, valid: Sequence[str]) -> None:
+    """ValueError naming the keys of ``given`` that are not ``valid``, and the valid ones."""
+    unknown = sorted(set(given or {}) - set(valid))
+    _check(not unknown, f"{name}: unknown key(s) {unknown}; valid keys: {list(valid)}")
+
+
+def _is_number(value: object) -> bool:
+    """A real number, and not a bool (``True`` is an int to Python, never a setting's value here)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_integer(name: str, value: object) -> int:
+    """``value`` as an ``int`` (NumPy's integers too), or ValueError naming ``name``."""
+    _check(isinstance(value, numbers.Integral) and not isinstance(value, bool),
+           f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value)  # type: ignore[call-overload]
 
 
 class RoundIntake:
@@ -418,12 +437,34 @@ class RobustStrategy(Strategy):
         server_update_fn: ServerUpdateFn | None = None,
         settings: Mapping[str, Any] | None = None,
     ) -> None:
-        _check(
-            isinstance(num_byzantine, int) and not isinstance(num_byzantine, bool) and num_byzantine >= 0,
-            f"num_byzantine must be an integer >= 0, got {num_byzantine!r}",
+        # Types first, each named, so that the range checks below compare numbers (a string from a config
+        # file would otherwise fail inside a comparison, naming neither the argument nor the value).
+        for name, value in (
+            ("fraction_train", fraction_train), ("fraction_evaluate", fraction_evaluate), ("server_lr", server_lr),
+            ("server_lr_min_ratio", server_lr_min_ratio), ("wait_for_nodes", wait_for_nodes),
+            ("grace_after_quorum", grace_after_quorum), ("divergence_factor", divergence_factor),
+            ("lr_decay", lr_decay), ("checkpoint_every_seconds", checkpoint_every_seconds),
+            ("max_update_norm", max_update_norm), ("round_deadline", round_deadline),
+            ("checkpoint_mtbf", checkpoint_mtbf),
+        ):
+            optional = name in ("max_update_norm", "round_deadline", "checkpoint_mtbf")
+            _check(_is_number(value) or (optional and value is None),
+                   f"{name} must be a number{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
+        num_byzantine, min_train_nodes, min_evaluate_nodes, min_available_nodes = (
+            _as_integer(name, value) for name, value in (
+                ("num_byzantine", num_byzantine), ("min_train_nodes", min_train_nodes),
+                ("min_evaluate_nodes", min_evaluate_nodes), ("min_available_nodes", min_available_nodes),
+            )
         )
-        for name, value in (("fraction_train", fraction_train), ("fraction_evaluate", fraction_evaluate)):
-            _check(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value!r}")
+        max_round_retries, over_select, seed = (
+            _as_integer(name, value)
+            for name, value in (("max_round_retries", max_round_retries), ("over_select", over_select), ("seed", seed))
+        )
+        _check(num_byzantine >= 0, f"num_byzantine must be an integer >= 0, got {num_byzantine!r}")
+        _check(0.0 < fraction_train <= 1.0,
+               f"fraction_train must be in (0, 1], got {fraction_train!r}: RobustStrategy trains in every round "
+               "(Flower's FedAvg takes 0 for evaluation only)")
+        _check(0.0 <= fraction_evaluate <= 1.0, f"fraction_evaluate must be in [0, 1], got {fraction_evaluate!r}")
         for name, value in (
             ("min_train_nodes", min_train_nodes),
             ("min_available_nodes", min_available_nodes),
@@ -489,6 +530,14 @@ class RobustStrategy(Strategy):
             f"aggregator {self.aggregator.label} needs the server's own update each round: pass server_update_fn "
             "(a RunConfig builds it from aggregator.root_size examples of the training data)",
         )
+        if self.aggregator.label == "mean" and num_byzantine > 0:
+            log.warning(
+                "aggregator 'mean' with num_byzantine=%d: the plain mean tolerates no faulty reply (one can move "
+                "it anywhere); validation still rejects malformed ones. Pick a robust rule for f > 0, e.g. the "
+                "default %r",
+                num_byzantine,
+                AggregatorConfig.name,
+            )
         self.server_update_fn = server_update_fn
         self._rule_spec = (
             aggregator,
@@ -505,6 +554,7 @@ class RobustStrategy(Strategy):
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.weight_by_num_examples = weight_by_num_examples
+        _check_keys("server_optimizer_params", server_optimizer_params, ("momentum", "beta_1", "beta_2", "tau"))
         self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, **dict(server_optimizer_params or {}))
         self.server_lr = server_lr
         self.server_lr_schedule = server_lr_schedule
@@ -520,6 +570,8 @@ class RobustStrategy(Strategy):
         self.over_select = over_select
         self.grace_after_quorum = grace_after_quorum
         self.wait_for_nodes = wait_for_nodes
+        if not isinstance(liveness, LivenessConfig):
+            _check_keys("liveness", liveness, [f.name for f in dataclasses.fields(LivenessConfig)])
         live = liveness if isinstance(liveness, LivenessConfig) else LivenessConfig(**dict(liveness or {}))
         self.liveness_config = live
         self.liveness = LivenessTracker(

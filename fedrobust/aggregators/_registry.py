@@ -151,6 +151,11 @@ def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], 
         if isinstance(item, Mapping):
             stage_params = dict(item)
             stage_name = stage_params.pop("name", None)
+            if stage_name is None:
+                raise ValueError(
+                    f"pre-aggregator {dict(item)!r} has no 'name': give one of {pre_names()}, e.g. "
+                    "{'name': 'clipping', 'threshold': 5.0}"
+                )
         else:
             stage_name, stage_params = item, {}
         stages.append(_construct(_lookup(_PRES, stage_name, "pre-aggregator"), f, stage_params))

@@ -322,11 +322,50 @@ def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsign
         ({"divergence_factor": -1.0}, "divergence_factor"),
         ({"resume": "sometimes"}, "valid choices"),
         ({"checkpoint_keep": 0}, "checkpoint_keep"),
+        # As values come from a config file: a string names the argument, its value and its type.
+        ({"fraction_train": "0.5"}, r"^fraction_train must be a number, got '0.5' \(str\)$"),
+        ({"max_update_norm": "10"}, r"^max_update_norm must be a number or None, got '10' \(str\)$"),
+        ({"round_deadline": "60"}, r"^round_deadline must be a number or None"),
+        ({"num_byzantine": "2"}, r"^num_byzantine must be an integer, got '2' \(str\)$"),
+        ({"num_byzantine": True}, r"^num_byzantine must be an integer, got True \(bool\)$"),
+        ({"fraction_train": 0.0}, r"fraction_train must be in \(0, 1\], got 0.0: RobustStrategy trains in every"),
+        ({"server_optimizer": "fedadam", "server_optimizer_params": {"beta1": 0.9}},
+         r"server_optimizer_params: unknown key\(s\) \['beta1'\]; valid keys: \['momentum', 'beta_1'"),
+        ({"liveness": {"dead_afterr": 3}}, r"liveness: unknown key\(s\) \['dead_afterr'\]; valid keys: .*'dead_after'"),
+        ({"aggregator": "median", "pre": [{"threshold": 5}]}, r"pre-aggregator \{'threshold': 5\} has no 'name'"),
     ],
 )
 def test_constructor_refuses_bad_arguments_with_a_clear_message(kwargs: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         RobustStrategy(**kwargs)
+
+
+def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    strategy = RobustStrategy(num_byzantine=np.int64(2), min_train_nodes=np.int32(3), progress=False)
+    assert type(strategy.num_byzantine) is int and strategy.num_byzantine == 2 and strategy.min_train_nodes == 3
+    RobustStrategy(aggregator="mean", num_byzantine=2, progress=False)
+    assert any("the plain mean tolerates no faulty reply" in r.getMessage() for r in caplog.records)
+
+
+def test_a_plain_function_or_a_built_object_is_the_rule_itself() -> None:
+    """What a user coming from Flower writes first: ``def rule(updates)`` or ``MyRule(f=1)``, not a factory."""
+
+    def coordinate_median(updates: torch.Tensor) -> torch.Tensor:
+        return updates.median(dim=0).values
+
+    class TrimmedByOne:
+        def __init__(self, f: int) -> None:
+            self.f = f
+
+        def __call__(self, updates: torch.Tensor) -> torch.Tensor:
+            return updates.sort(dim=0).values[self.f : len(updates) - self.f].mean(dim=0)
+
+    rows = torch.tensor([[0.0], [1.0], [2.0], [100.0], [3.0]])
+    for rule, expected in ((coordinate_median, 2.0), (TrimmedByOne(f=1), 2.0), (TrimmedByOne, 2.0)):
+        strategy = RobustStrategy(aggregator=rule, num_byzantine=1, progress=False)
+        assert float(strategy.aggregator(rows)[0]) == expected, rule
 
 
 def test_installed_names_live_under_fedrobust_only(tmp_path: Path) -> None:
