@@ -247,6 +247,14 @@ def run_experiment(
     return result
 
 
+def seed_keys_on_a_deployment(grid: Grid, cfg: RunConfig) -> bool:
+    """Whether ``cfg`` requires signatures without a trust store on Flower's Deployment Engine (its
+    ``HttpGrid``), where the seed-derived keys of a simulation (``trust_store_for``) guard nothing."""
+    from flwr.superlink.grid import HttpGrid
+
+    return isinstance(grid, HttpGrid) and cfg.signing.require and not cfg.signing.trust_dir
+
+
 def make_server_app(
     cfg: RunConfig | None = None,
     *,
@@ -266,6 +274,13 @@ def make_server_app(
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         run_cfg = cfg if cfg is not None else checked_run_config(context.run_config)
+        if seed_keys_on_a_deployment(grid, run_cfg):
+            log.warning(
+                "signing.require=true without signing.trust_dir on the Deployment Engine: replies are checked "
+                "against keys derived from the run's seed, which anyone who knows the run config can derive, so "
+                "a valid signature proves nothing about who sent it. Set signing.trust_dir to the trust store of "
+                "python -m fedrobust.keygen (docs/deployment.md, sections 2 and 7)."
+            )
         target = out_dir if out_dir is not None else Path(run_cfg.output_dir or f"outputs/run-{grid.run.run_id}")
         if on_strategy is not None:
             run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=on_strategy)

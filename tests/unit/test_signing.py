@@ -680,3 +680,20 @@ def test_keygen_cli_usage_errors(args: list[str]) -> None:
     with pytest.raises(SystemExit) as excinfo:
         keygen.main(args)
     assert excinfo.value.code == 2
+
+
+def test_seed_derived_keys_are_flagged_on_the_deployment_engine_only() -> None:
+    """signing.require without a trust store checks keys anyone can derive from the run's seed: fine in a
+    simulation, a false guarantee on Flower's Deployment Engine (its HttpGrid), where the ServerApp warns."""
+    from flwr.superlink.grid import HttpGrid, InMemoryGrid
+
+    from fedrobust.config import from_flat
+    from fedrobust.strategies.server_app import seed_keys_on_a_deployment
+
+    deployment, simulation = HttpGrid.__new__(HttpGrid), InMemoryGrid.__new__(InMemoryGrid)  # no connection needed
+    required = from_flat({"signing.require": True})
+    with_store = from_flat({"signing.require": True, "signing.trust_dir": "/srv/keys/trust"})
+    assert seed_keys_on_a_deployment(deployment, required)
+    assert not seed_keys_on_a_deployment(simulation, required)
+    assert not seed_keys_on_a_deployment(deployment, with_store)
+    assert not seed_keys_on_a_deployment(deployment, from_flat({}))
