@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -156,7 +156,7 @@ def _check_keys(name: str, given: Mapping[str, Any] | None, valid: Sequence[str]
     _check(not unknown, f"{name}: unknown key(s) {unknown}; valid keys: {list(valid)}")
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[numbers.Real]:
     """A real number, and not a bool (``True`` is an int to Python, never a setting's value here)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -921,27 +921,29 @@ class RobustStrategy(Strategy):
         return [self._message(eligible[i], server_round, arrays, config, MessageType.EVALUATE) for i in sorted(picked)]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Example-weighted mean of the clients' evaluation metrics (error replies skipped)."""
+        """The clients' evaluation metrics, each trimmed of its ``num_byzantine`` highest and lowest values,
+        then example-weighted as in FedAvg (the median where fewer than ``2f + 1`` replies have it).
+
+        Clients report these numbers themselves: untrimmed, one client could set the federated loss or
+        accuracy by claiming a huge example count or an extreme value. Replies that are errors, have no
+        finite metrics, or claim a count outside ``(0, max_num_examples]`` are skipped.
+        """
         rows: list[tuple[dict[str, float], float]] = []
         for reply in replies:
             if reply.has_error() or not reply.content.metric_records:
                 continue
             records = reply.content.metric_records
             record = records.get(protocol.METRICS) or next(iter(records.values()))
-            count = record.get(self.weighted_by_key)
-            if isinstance(count, int | float) and count > 0:
-                scalars = {
-                    k: float(v) for k, v in record.items() if k != self.weighted_by_key and isinstance(v, int | float)
-                }
-                rows.append((scalars, float(count)))
-        total = sum(count for _, count in rows)
-        if not rows or total <= 0:
-            return None
+            count = _finite(record.get(self.weighted_by_key))
+            if count is None or not 0 < count <= self.max_num_examples:
+                continue
+            scalars = {k: x for k, v in record.items() if k != self.weighted_by_key and (x := _finite(v)) is not None}
+            rows.append((scalars, count))
         keys = sorted({k for r, _ in rows for k in r})
-        means: dict[str, int | float | list[int] | list[float]] = {
-            k: sum(r.get(k, 0.0) * count for r, count in rows) / total for k in keys
-        }
-        return MetricRecord(means)
+        if not keys:
+            return None
+        return MetricRecord({k: _trimmed_weighted([(r[k], c) for r, c in rows if k in r], self.num_byzantine)
+                             for k in keys})
 
     def summary(self) -> None:
         """Log the strategy's configuration."""
@@ -1174,6 +1176,21 @@ def _first_line(text: str | None) -> str:
     """The message of a client's error: Flower's reason holds a traceback; its last line says what failed."""
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     return (lines[-1] if lines else "unknown error")[:200]
+
+
+def _finite(value: object) -> float | None:
+    """``value`` as a float when it is a finite real number (not a bool), else None."""
+    return float(value) if _is_number(value) and math.isfinite(value) else None
+
+
+def _trimmed_weighted(values: list[tuple[float, float]], f: int) -> float:
+    """The count-weighted mean of ``(value, count)`` pairs without the ``f`` lowest and ``f`` highest values;
+    their median when there are not ``2f + 1`` of them."""
+    ordered = sorted(values)
+    if len(ordered) <= 2 * f:
+        return float(np.median([v for v, _ in ordered]))
+    kept = ordered[f : len(ordered) - f]
+    return sum(v * c for v, c in kept) / sum(c for _, c in kept)
 
 
 def _rejections_text(outcome: RoundOutcome, shown: int = 3) -> str:

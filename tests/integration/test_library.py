@@ -311,6 +311,38 @@ def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsign
     assert metrics["accepted"] == 2 and metrics["rejected.missing_signature"] == 1, dict(metrics)
 
 
+def test_federated_evaluation_metrics_are_trimmed_so_one_client_cannot_set_them() -> None:
+    """Clients report their own evaluation metrics: one that claims 900,000 examples at accuracy 0 would own
+    FedAvg's weighted mean (0.0001 of the others' weight left); trimmed by f, the honest values decide."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    app = ClientApp()
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        metrics = MetricRecord({"num-examples": 100})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    @app.evaluate()
+    def _evaluate(msg: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        if partition == 0:  # the liar
+            metrics = MetricRecord({"num-examples": 900_000, "accuracy": 0.0, "loss": float("nan")})
+        else:
+            metrics = MetricRecord({"num-examples": 100 * partition, "accuracy": 0.8 + 0.01 * partition, "loss": 0.5})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    grid = InProcessGrid(app, 5, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, fraction_evaluate=1.0, progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    federated = result.evaluate_metrics_clientapp[1]
+    # accuracy: 0.0 and 0.84 trimmed; 0.81, 0.82, 0.83 weighted by 100, 200, 300 examples.
+    assert federated["accuracy"] == pytest.approx((0.81 * 100 + 0.82 * 200 + 0.83 * 300) / 600)
+    # loss: the liar's NaN is skipped; of four 0.5s the trimmed mean is 0.5.
+    assert federated["loss"] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
