@@ -34,9 +34,20 @@ def _key_from_file(path: str) -> signing.Ed25519PrivateKey:
 
 
 def node_config_key(context: Context) -> signing.Ed25519PrivateKey | None:
-    """The key named by the node config's ``signing-key`` (a PEM file), or None."""
+    """The key named by the node config's ``signing-key`` (a PEM file), or None.
+
+    Raises
+    ------
+    ValueError
+        Naming the node config entry, when its file cannot be read as a private key.
+    """
     path = context.node_config.get(NODE_CONFIG_KEY)
-    return _key_from_file(str(path)) if path else None
+    if not path:
+        return None
+    try:
+        return _key_from_file(str(path))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"node config {NODE_CONFIG_KEY}={str(path)!r}: {err}") from None  # no key bytes in a chain
 
 
 def signing_mod(private_key: KeySource | None = None) -> Mod:

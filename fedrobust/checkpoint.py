@@ -701,7 +701,10 @@ class CheckpointStore:
 
     def _load_verified(self, round_: int, name: str) -> Checkpoint:
         manifest, _, contents = self._read_verified(round_, name)
-        meta_doc = json.loads(contents[META_FILE])
+        try:
+            meta_doc = json.loads(contents[META_FILE])
+        except ValueError as exc:  # checksummed, so written so: still named, should it ever be
+            raise _InvalidCheckpoint(f"meta.json is not valid JSON: {exc}") from None
         if not isinstance(meta_doc, dict) or not isinstance(meta_doc.get("meta"), dict):
             raise _InvalidCheckpoint("meta.json has no 'meta' object")
         if manifest.get("kind", "full") == "full":
@@ -752,7 +755,10 @@ class CheckpointStore:
             raw_manifest = self._fs.cat_file(self._join(name, MANIFEST_FILE))
         except FileNotFoundError:
             raise _InvalidCheckpoint("no manifest.json (the write did not finish)") from None
-        manifest = json.loads(raw_manifest)
+        try:
+            manifest = json.loads(raw_manifest)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise _InvalidCheckpoint(f"manifest.json is not valid JSON: {exc}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise _InvalidCheckpoint("manifest.json is not a fedrobust checkpoint manifest")
         version = manifest.get("format_version")

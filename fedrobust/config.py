@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -346,6 +347,17 @@ def _build(cls: type, values: Mapping[str, Any], path: str, problems: list[str])
     return cls(**kwargs)
 
 
+def _number_in(text: str) -> Any:
+    """The int or finite float ``text`` spells, else ``text`` itself."""
+    for convert in (int, float):
+        try:
+            number = convert(text.strip())
+        except ValueError:
+            continue
+        return number if math.isfinite(number) else text
+    return text
+
+
 def _coerce(hint: Any, value: Any, key: str) -> Any:
     if hint is bool:
         if isinstance(value, bool):
@@ -353,6 +365,9 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
         raise ValueError(f"{key}={format_value(value)}: must be true or false")
+    if hint in (int, float) and isinstance(value, str):
+        # A quoted number ('2' in a --run-config or a TOML file) is the number, as OmegaConf takes it in Hydra.
+        value = _number_in(value)
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
             raise ValueError(f"{key}={format_value(value)}: must be an integer")

@@ -253,8 +253,8 @@ class RoundLoop:
                 raise NoNodesError(
                     f"{have} of the {need} nodes needed (min_available_nodes) connected within "
                     f"{s.wait_for_nodes:g} s; nothing was trained. Start more nodes (a local simulation: its "
-                    f"federation's num-supernodes) or need fewer (min_available_nodes; clients_per_round in "
-                    f"fedrobust's run config)"
+                    f"federation's num-supernodes; a deployment: flwr supernode ls shows which are online) or "
+                    f"need fewer (min_available_nodes; clients_per_round in fedrobust's run config)"
                 )
             if have != last_said:
                 self.metrics.say(f"waiting for nodes: {have} of {need} connected")

@@ -156,6 +156,17 @@ def test_corrupted_meta_json_is_skipped(url: str) -> None:
     assert checkpoint is not None and checkpoint.round == 1
 
 
+def test_a_manifest_that_is_not_json_is_skipped_naming_the_file(url: str) -> None:
+    store = CheckpointStore(url)
+    store.save(1, _tensors(1.0), {"round": 1})
+    latest = store.save(2, _tensors(2.0), {"round": 2})
+    fs, path = _file(latest, MANIFEST_FILE)
+    fs.pipe_file(path, fs.cat_file(path)[:40])  # cut short, as a torn write of a non-atomic store leaves it
+    checkpoint = store.latest_valid()
+    assert checkpoint is not None and checkpoint.round == 1
+    assert len(store.skipped) == 1 and "round-000002: manifest.json is not valid JSON:" in store.skipped[0]
+
+
 def test_missing_manifest_is_an_unfinished_write(url: str) -> None:
     store = CheckpointStore(url)
     store.save(1, _tensors(1.0), {"round": 1})

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from experiments.run import to_run_config
-from fedrobust.config import RunConfig, from_flat
+from fedrobust.config import ConfigError, RunConfig, from_flat
 from fedrobust.run_setup import build_aggregator, byzantine_partitions, validate
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -151,3 +151,19 @@ def test_flwr_run_config_sets_parameter_tables_as_json_objects() -> None:
         from_flat({"model.params": "[1]"})
     with pytest.raises(ConfigError, match=r"attack\.params=\{oops: must be a JSON object of parameters"):
         from_flat({"attack.params": "{oops"})
+
+
+def test_a_quoted_number_in_a_flat_config_is_the_number() -> None:
+    """``--run-config "num_byzantine='2'"`` or ``"client.lr" = "0.2"`` in a TOML file: a string that spells a
+    number is taken as it, as OmegaConf takes a quoted number in Hydra; one that does not is refused."""
+    cfg = from_flat({"num_byzantine": "2", "client.lr": " 0.2", "fault.round_timeout": "60"})
+    assert (cfg.num_byzantine, cfg.client.lr, cfg.fault.round_timeout) == (2, 0.2, 60.0)
+    assert type(cfg.num_byzantine) is int and type(cfg.fault.round_timeout) is float
+    for flat, problem in (
+        ({"num_byzantine": "two"}, "num_byzantine=two: must be an integer"),
+        ({"num_byzantine": "1.5"}, "num_byzantine=1.5: must be an integer"),
+        ({"client.lr": "inf"}, "client.lr=inf: must be a number"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            from_flat(flat)
+        assert info.value.problems == [problem]

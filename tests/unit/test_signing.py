@@ -697,3 +697,20 @@ def test_seed_derived_keys_are_flagged_on_the_deployment_engine_only() -> None:
     assert not seed_keys_on_a_deployment(simulation, required)
     assert not seed_keys_on_a_deployment(deployment, with_store)
     assert not seed_keys_on_a_deployment(deployment, from_flat({}))
+
+
+def test_a_node_s_unreadable_signing_key_names_the_node_config_entry(tmp_path: Path) -> None:
+    """The ClientApp's error reaches the server's log as a client error: it must say which setting to fix."""
+    from flwr.app import Context, RecordDict
+
+    from fedrobust.clients.signing_mod import node_config_key
+
+    def context(path: str) -> Context:
+        return Context(run_id=1, node_id=2, node_config={"signing-key": path}, state=RecordDict(), run_config={})
+
+    with pytest.raises(ValueError, match=r"^node config signing-key='.*nonexistent.key': .*No such file"):
+        node_config_key(context(str(tmp_path / "nonexistent.key")))
+    (tmp_path / "bad.key").write_text("not a key")
+    (tmp_path / "bad.key").chmod(0o600)
+    with pytest.raises(ValueError, match=r"^node config signing-key='.*bad.key': .*not an unencrypted PEM"):
+        node_config_key(context(str(tmp_path / "bad.key")))
