@@ -278,6 +278,15 @@ class RobustStrategy(Strategy):
         evaluation off (use ``evaluate_fn`` for central evaluation).
     weighted_by_key, arrayrecord_key, configrecord_key : str
         Record and metric names, as in Flower's ``FedAvg``.
+    train_metrics_aggr_fn, evaluate_metrics_aggr_fn : callable, optional
+        As in Flower's ``FedAvg``: ``fn(records, weighted_by_key) -> MetricRecord``, e.g. Flower's
+        ``aggregate_metricrecords``. For training it gets the metrics of the accepted replies only (with
+        their validated example counts); what it returns is named ``train_<key>`` (unless the key starts
+        with ``train_``), next to the round's counts (``accepted``, ``rejected``, ...). For evaluation it
+        gets every evaluation reply with metrics and a count in ``(0, max_num_examples]``, and replaces
+        the default: each metric trimmed of its ``num_byzantine`` highest and lowest values, then
+        example-weighted. Default for training: the unweighted mean of the clients' ``train_*`` metrics.
+        Clients report these metrics themselves; none is trusted.
     weight_by_num_examples : bool
         Weight replies by their (unverifiable) example counts where the rule supports weights.
     server_optimizer : str
@@ -398,6 +407,8 @@ class RobustStrategy(Strategy):
         weighted_by_key: str = protocol.NUM_EXAMPLES,
         arrayrecord_key: str = protocol.ARRAYS,
         configrecord_key: str = protocol.CONFIG,
+        train_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
+        evaluate_metrics_aggr_fn: Callable[[list[RecordDict], str], MetricRecord] | None = None,
         weight_by_num_examples: bool = False,
         server_optimizer: str = "fedavg",
         server_lr: float = 1.0,
@@ -551,6 +562,8 @@ class RobustStrategy(Strategy):
         self.min_evaluate_nodes = min_evaluate_nodes
         self.min_available_nodes = min_available_nodes
         self.weighted_by_key = weighted_by_key
+        self.train_metrics_aggr_fn = train_metrics_aggr_fn
+        self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.weight_by_num_examples = weight_by_num_examples
@@ -627,7 +640,8 @@ class RobustStrategy(Strategy):
         """The settings that change what is computed; a checkpoint must agree with them to resume."""
         rule, pre, params = self._rule_spec
         return {
-            "aggregator": rule if isinstance(rule, str) else repr(rule),
+            # Not repr(): a function's or an object's holds its address, which differs in every process.
+            "aggregator": rule if isinstance(rule, str) else self.aggregator.label,
             "pre": [p if isinstance(p, str) else dict(p) for p in pre],
             "aggregator_params": params,
             "num_byzantine": self.num_byzantine,
@@ -788,7 +802,7 @@ class RobustStrategy(Strategy):
         if self.update_hook is not None and accepted:
             accepted = self._run_hook(server_round, accepted, matrix, outcome, server_update)
         outcome.accepted = [u.node_id for u in accepted]
-        outcome.train_metrics = _mean_metrics(accepted)
+        outcome.train_metrics = self._train_metrics(accepted)
         proven = self._proven_faulty(outcome)
         self._say_if_more_faulty(server_round, len(proven))
         f_used = max(0, self.num_byzantine - len(proven))
@@ -851,6 +865,19 @@ class RobustStrategy(Strategy):
         no longer has to outvote among the accepted rows."""
         f = max(0, self.num_byzantine - len(self._proven_faulty(outcome)))
         return self._rule_for(f), f
+
+    def _train_metrics(self, accepted: list[ClientUpdate]) -> dict[str, float]:
+        """The clients' training metrics of the round, by ``train_metrics_aggr_fn`` where given."""
+        if self.train_metrics_aggr_fn is None or not accepted:
+            return _mean_metrics(accepted)
+        records = [
+            RecordDict({protocol.METRICS: MetricRecord({**u.metrics, self.weighted_by_key: u.num_examples})})
+            for u in accepted
+        ]
+        aggregated = self.train_metrics_aggr_fn(records, self.weighted_by_key)
+        # train_<key>, as the default names them: a round's row holds the server's evaluation "loss" too.
+        return {k if k.startswith("train_") else f"train_{k}": x for k, v in aggregated.items()
+                if (x := _finite(v)) is not None}
 
     def _proven_faulty(self, outcome: RoundOutcome) -> set[int]:
         """Nodes proven faulty: a reply rejected this round, or quarantined for earlier ones."""
@@ -929,6 +956,7 @@ class RobustStrategy(Strategy):
         finite metrics, or claim a count outside ``(0, max_num_examples]`` are skipped.
         """
         rows: list[tuple[dict[str, float], float]] = []
+        contents: list[RecordDict] = []
         for reply in replies:
             if reply.has_error() or not reply.content.metric_records:
                 continue
@@ -939,6 +967,9 @@ class RobustStrategy(Strategy):
                 continue
             scalars = {k: x for k, v in record.items() if k != self.weighted_by_key and (x := _finite(v)) is not None}
             rows.append((scalars, count))
+            contents.append(reply.content)
+        if self.evaluate_metrics_aggr_fn is not None:
+            return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key) if contents else None
         keys = sorted({k for r, _ in rows for k in r})
         if not keys:
             return None

@@ -343,6 +343,49 @@ def test_federated_evaluation_metrics_are_trimmed_so_one_client_cannot_set_them(
     assert federated["loss"] == pytest.approx(0.5)
 
 
+def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them() -> None:
+    """``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``, Flower's FedAvg arguments: the train one sees
+    the accepted replies only, the evaluate one replaces the trimmed default (here letting the liar in)."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    app = ClientApp()
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        arrays = msg.content["arrays"]
+        if partition == 0:  # rejected: NaN weights
+            arrays = ArrayRecord({k: torch.full_like(v, float("nan")) for k, v in arrays.to_torch_state_dict().items()})
+        metrics = MetricRecord({"num-examples": 100 * (partition + 1), "loss": float(partition)})
+        return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
+
+    @app.evaluate()
+    def _evaluate(msg: Message, context: Context) -> Message:
+        partition = int(context.node_config["partition-id"])
+        accuracy, count = (0.0, 900_000) if partition == 0 else (0.9, 100)
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": count, "accuracy": accuracy})}),
+                       reply_to=msg)
+
+    seen: list[list[float]] = []
+
+    def train_aggr(records: list[RecordDict], key: str) -> MetricRecord:
+        seen.append(sorted(float(r["metrics"][key]) for r in records))
+        return aggregate_metricrecords(records, key)
+
+    grid = InProcessGrid(app, 4, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, fraction_evaluate=1.0, progress=False,
+                              train_metrics_aggr_fn=train_aggr, evaluate_metrics_aggr_fn=aggregate_metricrecords)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    assert seen == [[200.0, 300.0, 400.0]]  # partition 0's rejected reply is not among them
+    train = result.train_metrics_clientapp[1]
+    assert train["train_loss"] == pytest.approx((1 * 200 + 2 * 300 + 3 * 400) / 900) and train["accepted"] == 3
+    # FedAvg's weighted mean, as asked: the liar's 900,000 examples at accuracy 0 outweigh the rest.
+    assert result.evaluate_metrics_clientapp[1]["accuracy"] == pytest.approx(0.9 * 300 / 900_300)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
@@ -398,6 +441,38 @@ def test_a_plain_function_or_a_built_object_is_the_rule_itself() -> None:
     for rule, expected in ((coordinate_median, 2.0), (TrimmedByOne(f=1), 2.0), (TrimmedByOne, 2.0)):
         strategy = RobustStrategy(aggregator=rule, num_byzantine=1, progress=False)
         assert float(strategy.aggregator(rows)[0]) == expected, rule
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_run_with_a_rule_object_resumes_in_another_process(tmp_path: Path) -> None:
+    """The settings a checkpoint must agree with name a user's rule by its dotted name, not by repr(),
+    which holds the object's address: the same rule in a new process must resume, another must not."""
+    import os
+    import subprocess
+
+    script = tmp_path / "run_once.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from tests.integration.test_library import RobustStrategy, _start_on_honest_nodes\n"
+        "def coordinate_median(updates):\n"
+        "    return updates.median(dim=0).values\n"
+        "def coordinate_mean(updates):\n"
+        "    return updates.mean(dim=0)\n"
+        "rule = coordinate_median if sys.argv[2] == 'median' else coordinate_mean\n"
+        "_start_on_honest_nodes(RobustStrategy(aggregator=rule, checkpoint_dir=sys.argv[1]), 5)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+
+    def run(rule: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(script), str(tmp_path / "ckpt"), rule]
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120, env=env)
+
+    assert run("median").returncode == 0
+    again = run("median")
+    assert again.returncode == 0 and "resumed after round 1" in again.stdout + again.stderr, again.stderr[-2000:]
+    other = run("mean")
+    assert other.returncode != 0 and "saved with other settings: aggregator:" in other.stderr, other.stderr[-2000:]
 
 
 def test_installed_names_live_under_fedrobust_only(tmp_path: Path) -> None:
