@@ -3,6 +3,8 @@
 Usage::
 
     python -m fedrobust.keygen --out keys --clients 4 [--force]
+    python -m fedrobust.keygen --out keys --clients 6 --add     # keys for clients 4 and 5; 0-3 kept
+    python -m fedrobust.keygen --out keys --replace 3          # a new key for client 3 (its old one leaked)
 
 writes, under ``--out``:
 
@@ -21,6 +23,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fedrobust.signing import TRUST_FILE, TrustStore, generate_keypair, key_id, write_private_key, write_public_key
 
@@ -46,10 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate Ed25519 update-signing keys for N clients and the server trust store.",
     )
     parser.add_argument("--out", required=True, type=Path, help="output directory (created if missing)")
-    parser.add_argument(
-        "--clients", required=True, type=_client_count, help="number of clients N (partition ids 0..N-1)"
+    parser.add_argument("--clients", type=_client_count, help="number of clients N (partition ids 0..N-1)")
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--force", action="store_true", help="overwrite existing key files: every client a new key")
+    how.add_argument(
+        "--add", action="store_true",
+        help="keep the existing keys and trust store; make keys for the clients 0..N-1 that have none",
     )
-    parser.add_argument("--force", action="store_true", help="overwrite existing key files")
+    how.add_argument(
+        "--replace", type=int, nargs="+", metavar="ID",
+        help="a new key for each of these clients; the trust store stops trusting their old keys",
+    )
     return parser
 
 
@@ -89,13 +100,75 @@ def generate(out: Path, clients: int, *, force: bool = False) -> list[str]:
     store = TrustStore()
     lines = []
     for index in range(clients):
-        private_key, public_key = generate_keypair()
-        private_path = write_private_key(out / f"client-{index}.key", private_key, overwrite=force)
-        public_path = write_public_key(out / f"client-{index}.pub", public_key, overwrite=force)
+        line, public_key = _write_pair(out, index, overwrite=force)
         store.add(public_key, partition_id=index)
-        lines.append(f"client {index}: {private_path} (private, mode 0600), {public_path}  key id {key_id(public_key)}")
+        lines.append(line)
     binding = store.save(out / TRUST_DIR, overwrite=force)
     lines.append(f"trust store: {binding.parent}/ ({clients} public keys + {binding.name})")
+    return lines
+
+
+def _write_pair(out: Path, index: int, *, overwrite: bool) -> tuple[str, Ed25519PublicKey]:
+    """A new key pair for client ``index`` under ``out``: its line of output and its public key."""
+    private_key, public_key = generate_keypair()
+    private_path = write_private_key(out / f"client-{index}.key", private_key, overwrite=overwrite)
+    public_path = write_public_key(out / f"client-{index}.pub", public_key, overwrite=overwrite)
+    line = f"client {index}: {private_path} (private, mode 0600), {public_path}  key id {key_id(public_key)}"
+    return line, public_key
+
+
+def add(out: Path, clients: int) -> list[str]:
+    """Keys for the clients ``0 .. clients - 1`` that have none in ``out`` (a device added); the existing
+    keys and their trust-store entries are kept, and the trust store is written again with the new ones.
+
+    Raises
+    ------
+    ValueError
+        ``out`` holds no trust store (make one without ``--add``), or one to which a client's key file is
+        unknown (the folder and its trust store do not belong together).
+    """
+    store = TrustStore.load(out / TRUST_DIR)
+    trusted = store.partitions()
+    lines = []
+    for index in range(clients):
+        if (out / f"client-{index}.key").exists():
+            if index not in trusted:
+                raise ValueError(
+                    f"{out / f'client-{index}.key'} exists, but {out / TRUST_DIR} has no key of client {index}"
+                )
+            continue
+        if index in trusted:
+            raise ValueError(f"{out / TRUST_DIR} trusts a key of client {index}, but {out} has no client-{index}.key")
+        line, public_key = _write_pair(out, index, overwrite=False)
+        store.add(public_key, partition_id=index)
+        lines.append(line)
+    if not lines:
+        return [f"every client 0..{clients - 1} has a key already: nothing written"]
+    binding = store.save(out / TRUST_DIR, overwrite=True)
+    lines.append(f"trust store: {binding.parent}/ ({len(store)} public keys + {binding.name})")
+    return lines
+
+
+def replace(out: Path, indices: Sequence[int]) -> list[str]:
+    """A new key pair for each client of ``indices``; the trust store then trusts the new keys only.
+
+    Raises
+    ------
+    ValueError
+        ``out`` holds no trust store, or it trusts no key of one of the clients.
+    """
+    store = TrustStore.load(out / TRUST_DIR)
+    unknown = sorted(set(indices) - store.partitions())
+    if unknown:
+        raise ValueError(f"{out / TRUST_DIR} trusts no key of client(s) {unknown}: add them with --add")
+    lines = []
+    for index in sorted(set(indices)):
+        old = store.remove_partition(index)
+        line, public_key = _write_pair(out, index, overwrite=True)
+        store.add(public_key, partition_id=index)
+        lines.append(f"{line} (replaces key id {', '.join(old)})")
+    binding = store.save(out / TRUST_DIR, overwrite=True)
+    lines.append(f"trust store: {binding.parent}/ ({len(store)} public keys + {binding.name})")
     return lines
 
 
@@ -105,9 +178,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
+    if (args.clients is None) == (args.replace is None):
+        parser.error("give --clients N (with --add to keep the existing keys), or --replace ID [ID ...]")
     try:
-        lines = generate(args.out, args.clients, force=args.force)
+        if args.replace is not None:
+            lines = replace(args.out, args.replace)
+        elif args.add:
+            lines = add(args.out, args.clients)
+        else:
+            lines = generate(args.out, args.clients, force=args.force)
     except FileExistsError as err:
+        print(f"error: {err}; or --add to keep the existing keys and add the missing ones", file=sys.stderr)
+        return 1
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except OSError as err:

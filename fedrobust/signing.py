@@ -735,6 +735,17 @@ class TrustStore:
             entry.node_id, entry.pinned_on_use = _as_int("node_id", node_id), True
             log.debug("key %s pinned to node %s on first use", key_id, node_id)
 
+    def remove_partition(self, partition_id: int) -> list[str]:
+        """Stop trusting the keys labelled with ``partition_id`` (a leaked key); the key ids removed."""
+        removed = [kid for kid, entry in self._entries.items() if entry.partition_id == partition_id]
+        for kid in removed:
+            del self._entries[kid]
+        return removed
+
+    def partitions(self) -> set[int]:
+        """The partition ids the trusted keys are labelled with."""
+        return {entry.partition_id for entry in self._entries.values() if entry.partition_id is not None}
+
     def release_node(self, node_id: int) -> list[str]:
         """Drop the first-use pins of a node that is gone; configured bindings stay.
 

@@ -671,8 +671,56 @@ def test_keygen_cli_writes_keys_and_trust_store(tmp_path: Path) -> None:
     assert stat.S_IMODE((out / "client-0.key").stat().st_mode) == 0o600
 
 
+def test_keygen_adds_a_device_and_replaces_a_leaked_key_keeping_the_others(tmp_path: Path) -> None:
+    from fedrobust import keygen
+
+    out = tmp_path / "keys"
+    assert keygen.main(["--out", str(out), "--clients", "2"]) == 0
+    kept = (out / "client-0.key").read_bytes()
+    leaked = key_id(load_private_key(out / "client-1.key").public_key())
+
+    assert keygen.main(["--out", str(out), "--clients", "4", "--add"]) == 0  # devices 2 and 3 join
+    assert keygen.main(["--out", str(out), "--replace", "1"]) == 0  # device 1's key leaked
+    store = TrustStore.load(out / "trust")
+    assert sorted(store.partitions()) == [0, 1, 2, 3] and len(store) == 4
+    assert (out / "client-0.key").read_bytes() == kept
+    assert store.lookup(leaked) is None
+    for index in range(4):
+        kid = key_id(load_private_key(out / f"client-{index}.key").public_key())
+        assert store.partition_id(kid) == index
+    assert keygen.main(["--out", str(out), "--clients", "4", "--add"]) == 0  # nothing missing: nothing written
+    assert TrustStore.load(out / "trust").partitions() == {0, 1, 2, 3}
+
+
 @pytest.mark.parametrize(
-    "args", [["--clients", "2"], ["--out", "x", "--clients", "0"], ["--out", "x", "--clients", "two"]]
+    ("args", "message"),
+    [
+        (["--clients", "2", "--add"], "no trust.json binding file"),
+        (["--replace", "7"], "trusts no key of client(s) [7]: add them with --add"),
+    ],
+)
+def test_keygen_add_and_replace_refuse_what_does_not_fit(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedrobust import keygen
+
+    out = tmp_path / "keys"
+    if "--replace" in args:
+        assert keygen.main(["--out", str(out), "--clients", "2"]) == 0
+    assert keygen.main(["--out", str(out), *args]) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--clients", "2"],
+        ["--out", "x", "--clients", "0"],
+        ["--out", "x", "--clients", "two"],
+        ["--out", "x"],
+        ["--out", "x", "--clients", "2", "--replace", "1"],
+        ["--out", "x", "--clients", "2", "--add", "--force"],
+    ],
 )
 def test_keygen_cli_usage_errors(args: list[str]) -> None:
     from fedrobust import keygen
