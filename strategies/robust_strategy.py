@@ -145,6 +145,10 @@ UpdateHook = Callable[[RoundUpdates], Sequence[int] | None]
 ServerUpdateFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
 
+# Warnings said once a process.
+_said = {"plain mean": False}
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -541,7 +545,8 @@ class RobustStrategy(Strategy):
             f"aggregator {self.aggregator.label} needs the server's own update each round: pass server_update_fn "
             "(a RunConfig builds it from aggregator.root_size examples of the training data)",
         )
-        if self.aggregator.label == "mean" and num_byzantine > 0:
+        if self.aggregator.label == "mean" and num_byzantine > 0 and not _said["plain mean"]:
+            _said["plain mean"] = True  # once a process: a study runs the mean as its baseline many times
             log.warning(
                 "aggregator 'mean' with num_byzantine=%d: the plain mean tolerates no faulty reply (one can move "
                 "it anywhere); validation still rejects malformed ones. Pick a robust rule for f > 0, e.g. the "

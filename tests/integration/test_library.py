@@ -420,8 +420,13 @@ def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
 ) -> None:
     strategy = RobustStrategy(num_byzantine=np.int64(2), min_train_nodes=np.int32(3), progress=False)
     assert type(strategy.num_byzantine) is int and strategy.num_byzantine == 2 and strategy.min_train_nodes == 3
-    RobustStrategy(aggregator="mean", num_byzantine=2, progress=False)
-    assert any("the plain mean tolerates no faulty reply" in r.getMessage() for r in caplog.records)
+    from fedrobust.strategies import robust_strategy
+
+    robust_strategy._said["plain mean"] = False  # another test of this process may have had it said
+    for _ in range(2):
+        RobustStrategy(aggregator="mean", num_byzantine=2, progress=False)
+    said = [r for r in caplog.records if "the plain mean tolerates no faulty reply" in r.getMessage()]
+    assert len(said) == 1  # once a process
 
 
 def test_a_plain_function_or_a_built_object_is_the_rule_itself() -> None:
