@@ -296,8 +296,11 @@ class ConfigError(ValueError):
         One-line descriptions of the problems, in the order they were found.
     """
 
-    def __init__(self, problems: Sequence[str]) -> None:
+    def __init__(self, problems: Sequence[str], partial: RunConfig | None = None) -> None:
         self.problems = list(problems)
+        # The config with the defaults in place of the settings of ``problems``, where one could be built:
+        # the other settings can still be checked, so that one pass names every problem.
+        self.partial = partial
         super().__init__("invalid configuration:\n" + "\n".join(f"  {line}" for line in self.problems))
 
 
@@ -420,7 +423,7 @@ def from_nested(values: Mapping[str, Any]) -> RunConfig:
     problems: list[str] = []
     cfg = _build(RunConfig, values, "", problems)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, partial=cfg)
     return cfg
 
 

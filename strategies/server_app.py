@@ -199,6 +199,11 @@ def checked_run_config(run_config: Mapping[str, Any]) -> RunConfig:
         run_cfg = from_flat(run_config)
     except ConfigError as err:
         problems = err.problems
+        if err.partial is not None:
+            # The other settings' problems too, in the same pass; a problem that names a setting whose value
+            # was refused is left out: it would be about the default put in its place.
+            refused = {line.split("=", 1)[0] for line in problems}
+            problems += [line for line in config_problems(err.partial) if not any(k in line for k in refused)]
     else:
         problems = config_problems(run_cfg)
         if run_cfg.attack.name in attacks.omniscient_names():

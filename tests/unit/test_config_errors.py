@@ -418,3 +418,23 @@ def test_stop_before_any_checkpoint_says_so(
     assert outcome.code == EXIT_PREEMPTED
     assert f"stopped while waiting for nodes; {says}: the same command starts over" in outcome.stdout
     assert "resume" not in outcome.stdout
+
+
+def test_a_flower_run_config_names_wrong_types_and_wrong_values_in_one_pass(caplog: pytest.LogCaptureFixture) -> None:
+    """``flwr run --run-config`` with a value of the wrong type and others out of range: every problem in the
+    first run, not the type errors first and the rest after they are fixed. A check that would be about the
+    default put in place of a refused value (f against the rule, for a refused num_byzantine) is left out."""
+    from fedrobust.config import ConfigError, RunConfig
+    from fedrobust.strategies.server_app import checked_run_config
+
+    flat = {**RunConfig().to_flat(), "signing.require": "yes", "client.lr": -0.1, "aggregator.name": "krun"}
+    with pytest.raises(ConfigError) as info:
+        checked_run_config(flat)
+    keys = [line.split("=")[0] for line in info.value.problems]
+    assert keys[0] == "signing.require" and sorted(keys[1:]) == ["aggregator.name", "client.lr"], keys
+    assert "fedrobust: invalid configuration:" in caplog.text
+
+    refused_f = {**RunConfig().to_flat(), "num_byzantine": "four", "clients_per_round": 5, "num_clients": 5}
+    with pytest.raises(ConfigError) as info:
+        checked_run_config(refused_f)
+    assert info.value.problems == ["num_byzantine=four: must be an integer"]
