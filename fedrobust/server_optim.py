@@ -18,6 +18,13 @@ from typing import Any
 import torch
 
 NAMES = ("fedavg", "fedavgm", "fedadam", "fedyogi")
+#: The settings each optimizer reads, beside ``lr``.
+PARAMS: dict[str, tuple[str, ...]] = {
+    "fedavg": (),
+    "fedavgm": ("momentum",),
+    "fedadam": ("beta_1", "beta_2", "tau"),
+    "fedyogi": ("beta_1", "beta_2", "tau"),
+}
 # How the server lr changes over the rounds (lr_factor).
 SCHEDULES = ("constant", "cosine")
 

@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from fedrobust import signing
+from fedrobust import server_optim, signing
 from fedrobust.config import RunConfig
 from fedrobust.strategies.evaluation import server_update_fn
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
@@ -65,10 +65,7 @@ def strategy_from_config(
         server_lr_schedule=cfg.server_optimizer.schedule,
         server_lr_min_ratio=cfg.server_optimizer.min_lr_ratio,
         server_optimizer_params={
-            "momentum": cfg.server_optimizer.momentum,
-            "beta_1": cfg.server_optimizer.beta_1,
-            "beta_2": cfg.server_optimizer.beta_2,
-            "tau": cfg.server_optimizer.tau,
+            name: getattr(cfg.server_optimizer, name) for name in server_optim.PARAMS[cfg.server_optimizer.name]
         },
         max_update_norm=cfg.validation.max_update_norm or None,
         max_num_examples=cfg.validation.max_num_examples,

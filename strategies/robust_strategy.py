@@ -37,6 +37,7 @@ from fedrobust import aggregators, memory, protocol
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, AggregatorConfig, LivenessConfig
 from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
+from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import SCHEDULES as LR_SCHEDULES
 from fedrobust.server_optim import ServerOptimizer, lr_factor
 from fedrobust.signing import TrustStore
@@ -152,6 +153,11 @@ _said = {"plain mean": False}
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _plain(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``mapping`` whose NumPy scalars are Python ones (rules and configs check for int and float)."""
+    return {k: v.item() if isinstance(v, np.generic) else v for k, v in (mapping or {}).items()}
 
 
 def _check_keys(name: str, given: Mapping[str, Any] | None, valid: Sequence[str]) -> None:
@@ -465,6 +471,34 @@ class RobustStrategy(Strategy):
             optional = name in ("max_update_norm", "round_deadline", "checkpoint_mtbf")
             _check(_is_number(value) or (optional and value is None),
                    f"{name} must be a number{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
+        # Plain floats from here on (np.float32 would reach the checkpoint's JSON metadata and fail there).
+        fraction_train, fraction_evaluate, server_lr, server_lr_min_ratio, wait_for_nodes = (
+            float(v) for v in (fraction_train, fraction_evaluate, server_lr, server_lr_min_ratio, wait_for_nodes)
+        )
+        grace_after_quorum, divergence_factor, lr_decay, checkpoint_every_seconds = (
+            float(v) for v in (grace_after_quorum, divergence_factor, lr_decay, checkpoint_every_seconds)
+        )
+        max_update_norm, round_deadline, checkpoint_mtbf = (
+            None if v is None else float(v) for v in (max_update_norm, round_deadline, checkpoint_mtbf)
+        )
+        for name, flag in (
+            ("weight_by_num_examples", weight_by_num_examples), ("require_signatures", require_signatures),
+            ("force_resume", force_resume), ("discover_partitions", discover_partitions), ("progress", progress),
+            ("return_freed_memory", return_freed_memory),
+        ):
+            # A string "false" from a config file would read as True: weighting by claimed counts, for one.
+            _check(isinstance(flag, bool | np.bool_),
+                   f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
+        for name, key in (("weighted_by_key", weighted_by_key), ("arrayrecord_key", arrayrecord_key),
+                          ("configrecord_key", configrecord_key)):
+            _check(isinstance(key, str) and key != "", f"{name} must be a record or metric name, got {key!r}")
+        for name, function in (
+            ("train_metrics_aggr_fn", train_metrics_aggr_fn), ("evaluate_metrics_aggr_fn", evaluate_metrics_aggr_fn),
+            ("on_start", on_start), ("update_hook", update_hook), ("server_update_fn", server_update_fn),
+        ):
+            _check(function is None or callable(function), f"{name} must be a function or None, got {function!r}")
+        _check(metrics_path is None or isinstance(metrics_path, str | os.PathLike),
+               f"metrics_path must be a path or None, got {metrics_path!r} ({type(metrics_path).__name__})")
         num_byzantine, min_train_nodes, min_evaluate_nodes, min_available_nodes = (
             _as_integer(name, value) for name, value in (
                 ("num_byzantine", num_byzantine), ("min_train_nodes", min_train_nodes),
@@ -539,7 +573,7 @@ class RobustStrategy(Strategy):
             )
             self.aggregator = aggregator
         else:
-            self.aggregator = aggregators.build(aggregator, f=num_byzantine, pre=pre, **dict(aggregator_params or {}))
+            self.aggregator = aggregators.build(aggregator, f=num_byzantine, pre=pre, **_plain(aggregator_params))
         _check(
             not self.aggregator.needs_server_update or server_update_fn is not None,
             f"aggregator {self.aggregator.label} needs the server's own update each round: pass server_update_fn "
@@ -558,7 +592,7 @@ class RobustStrategy(Strategy):
         self._rule_spec = (
             aggregator,
             tuple(pre) if not isinstance(pre, str) else (pre,),
-            dict(aggregator_params or {}),
+            _plain(aggregator_params),
         )
         self.num_byzantine = num_byzantine
         self.fraction_train = fraction_train
@@ -572,8 +606,12 @@ class RobustStrategy(Strategy):
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
         self.weight_by_num_examples = weight_by_num_examples
-        _check_keys("server_optimizer_params", server_optimizer_params, ("momentum", "beta_1", "beta_2", "tau"))
-        self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, **dict(server_optimizer_params or {}))
+        optimizer_params = _plain(server_optimizer_params)
+        _check_keys(f"server_optimizer_params of {server_optimizer}", optimizer_params,
+                    SERVER_OPTIMIZER_PARAMS[server_optimizer])
+        for name, value in optimizer_params.items():
+            _check(_is_number(value), f"server_optimizer_params[{name!r}] must be a number, got {value!r}")
+        self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, **optimizer_params)
         self.server_lr = server_lr
         self.server_lr_schedule = server_lr_schedule
         self.server_lr_min_ratio = float(server_lr_min_ratio)
@@ -590,7 +628,7 @@ class RobustStrategy(Strategy):
         self.wait_for_nodes = wait_for_nodes
         if not isinstance(liveness, LivenessConfig):
             _check_keys("liveness", liveness, [f.name for f in dataclasses.fields(LivenessConfig)])
-        live = liveness if isinstance(liveness, LivenessConfig) else LivenessConfig(**dict(liveness or {}))
+        live = liveness if isinstance(liveness, LivenessConfig) else LivenessConfig(**_plain(liveness))
         self.liveness_config = live
         self.liveness = LivenessTracker(
             suspect_after=live.suspect_after,

@@ -405,7 +405,16 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         ({"num_byzantine": True}, r"^num_byzantine must be an integer, got True \(bool\)$"),
         ({"fraction_train": 0.0}, r"fraction_train must be in \(0, 1\], got 0.0: RobustStrategy trains in every"),
         ({"server_optimizer": "fedadam", "server_optimizer_params": {"beta1": 0.9}},
-         r"server_optimizer_params: unknown key\(s\) \['beta1'\]; valid keys: \['momentum', 'beta_1'"),
+         r"server_optimizer_params of fedadam: unknown key\(s\) \['beta1'\]; valid keys: \['beta_1', 'beta_2'"),
+        ({"server_optimizer_params": {"momentum": 0.9}},  # fedavg has no momentum: it would do nothing
+         r"server_optimizer_params of fedavg: unknown key\(s\) \['momentum'\]; valid keys: \[\]"),
+        ({"server_optimizer": "fedavgm", "server_optimizer_params": {"momentum": "0.9"}},
+         r"server_optimizer_params\['momentum'\] must be a number, got '0.9'"),
+        # A flag read from a config file as the string "false" would switch weighting by claimed counts on.
+        ({"weight_by_num_examples": "false"}, r"^weight_by_num_examples must be True or False, got 'false' \(str\)"),
+        ({"weighted_by_key": None}, r"^weighted_by_key must be a record or metric name, got None"),
+        ({"train_metrics_aggr_fn": "mean"}, r"^train_metrics_aggr_fn must be a function or None, got 'mean'"),
+        ({"metrics_path": 123}, r"^metrics_path must be a path or None, got 123 \(int\)"),
         ({"liveness": {"dead_afterr": 3}}, r"liveness: unknown key\(s\) \['dead_afterr'\]; valid keys: .*'dead_after'"),
         ({"aggregator": "median", "pre": [{"threshold": 5}]}, r"pre-aggregator \{'threshold': 5\} has no 'name'"),
     ],
@@ -418,8 +427,12 @@ def test_constructor_refuses_bad_arguments_with_a_clear_message(kwargs: dict, ne
 def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    strategy = RobustStrategy(num_byzantine=np.int64(2), min_train_nodes=np.int32(3), progress=False)
+    strategy = RobustStrategy(num_byzantine=np.int64(2), min_train_nodes=np.int32(3), server_lr=np.float32(0.5),
+                              aggregator_params={"trim": np.int64(1)}, liveness={"dead_after": np.int64(3)},
+                              aggregator="trimmed_mean", progress=False)
     assert type(strategy.num_byzantine) is int and strategy.num_byzantine == 2 and strategy.min_train_nodes == 3
+    assert type(strategy.server_lr) is float and type(strategy.optimizer.lr) is float  # JSON in checkpoints
+    assert strategy.liveness_config.dead_after == 3
     from fedrobust.strategies import robust_strategy
 
     robust_strategy._said["plain mean"] = False  # another test of this process may have had it said
