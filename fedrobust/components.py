@@ -35,6 +35,7 @@ aggregator
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import inspect
 import json
@@ -448,6 +449,23 @@ def _rule_label(target: Any) -> str:
     if isinstance(target, str):
         return target
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
+
+
+def rule_identity(target: Callable[..., Any]) -> dict[str, Any]:
+    """What a checkpoint records of a rule given as a function, class or object: its dotted name, a hash of
+    its source (of its class, for an object) and an object's scalar attributes, so that a resume with a
+    changed rule (other code, a lambda for another, other settings) is refused. Not ``repr()``: that holds
+    the object's address, which differs in every process."""
+    code_of = target if inspect.isfunction(target) or inspect.isclass(target) else type(target)
+    try:
+        code: str | None = hashlib.sha256(inspect.getsource(code_of).encode()).hexdigest()[:16]
+    except (OSError, TypeError):  # defined where no source is kept (an interactive session, a builtin)
+        code = None
+    scalars = (bool, int, float, str, type(None))
+    state = {} if inspect.isfunction(target) or inspect.isclass(target) else {
+        k: v for k, v in sorted(getattr(target, "__dict__", {}).items()) if isinstance(v, scalars)
+    }
+    return {"name": _rule_label(target), "code": code, "state": state}
 
 
 def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any]) -> Rule:

@@ -683,8 +683,7 @@ class RobustStrategy(Strategy):
         """The settings that change what is computed; a checkpoint must agree with them to resume."""
         rule, pre, params = self._rule_spec
         return {
-            # Not repr(): a function's or an object's holds its address, which differs in every process.
-            "aggregator": rule if isinstance(rule, str) else self.aggregator.label,
+            "aggregator": self._rule_setting(rule),
             "pre": [p if isinstance(p, str) else dict(p) for p in pre],
             "aggregator_params": params,
             "num_byzantine": self.num_byzantine,
@@ -699,6 +698,17 @@ class RobustStrategy(Strategy):
             "lr_decay": self.lr_decay,
             "seed": self.seed,
         }
+
+    def _rule_setting(self, rule: Any) -> Any:
+        """How the checkpoint's settings name the rule: its name; a built Aggregator's label; for a user's
+        function, class or object, its name, code and settings (:func:`fedrobust.components.rule_identity`)."""
+        if isinstance(rule, str):
+            return rule
+        if isinstance(rule, aggregators.Aggregator):
+            return self.aggregator.label
+        from fedrobust.components import rule_identity  # as aggregators.build imports it: for user rules only
+
+        return rule_identity(rule)
 
     def request_stop(self) -> None:
         """Ask a running :meth:`start` to checkpoint and stop before its next round (e.g. on SIGTERM)."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from fedrobust.aggregators.base import Component, PreAggregator, Rule
 from fedrobust.aggregators.pipeline import Aggregator
+
+log = logging.getLogger(__name__)
 
 __all__ = ["build", "build_pre", "names", "pre_names", "register_pre", "register_rule", "split_pipeline"]
 
@@ -137,10 +141,18 @@ def build(
         return Aggregator(rule, build_pre(pre, f))  # type: ignore[arg-type]
     from fedrobust.components import check_rule, user_rule  # a user's rule: imported on demand
 
-    def pipeline() -> Aggregator:
-        return Aggregator(user_rule(name, f, params), build_pre(pre, f))
+    def pipeline(target: Any = name) -> Aggregator:
+        return Aggregator(user_rule(target, f, params), build_pre(pre, f))
 
-    check_rule(pipeline())  # on an instance of its own: the check must not move a stateful rule's state
+    # On an instance of its own: the check must not move a stateful rule's state. A name or a factory
+    # builds a new one; an object built already (or a function) is checked on a copy of it.
+    built = not isinstance(name, str | type)
+    try:
+        probe = copy.deepcopy(name) if built else name
+    except Exception as err:  # whatever the object's __deepcopy__ raises: not checked, and said so
+        log.warning("aggregator %r could not be copied for its contract check (%s): not checked", name, err)
+    else:
+        check_rule(pipeline(probe))
     return pipeline()
 
 
