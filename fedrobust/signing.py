@@ -1064,7 +1064,9 @@ def verify_reply(
     if signature is None or (isinstance(signature, bytes | bytearray) and not signature):
         if require_signature:
             return REASON_MISSING_SIGNATURE
-        return replay_guard.consume(nonce, node_id, round)
+        # Signatures optional: an unsigned reply is taken as it would be with no trust store. A node without
+        # a key sends no signature record and so no nonce (keys rolled out to some devices only).
+        return None if nonce is None else replay_guard.consume(nonce, node_id, round)
     if not isinstance(key_id, str) or (public_key := trust_store.lookup(key_id)) is None:
         return REASON_UNKNOWN_KEY
     reason = trust_store.check_binding(key_id, node_id) or replay_guard.check(nonce, node_id, round)

@@ -311,6 +311,31 @@ def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsign
     assert metrics["accepted"] == 2 and metrics["rejected.missing_signature"] == 1, dict(metrics)
 
 
+def test_optional_signatures_take_a_node_without_a_key_and_still_check_a_wrong_one() -> None:
+    """Keys rolled out to some devices only (require_signatures=False with a trust store): a node without a
+    key replies unsigned and is taken; a node signing with a key the store does not hold is not."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+    from fedrobust import signing, signing_mod
+
+    keys = {0: signing.derive_keypair(3, 0)[0], 1: signing.derive_keypair(3, 1)[0], 3: signing.generate_keypair()[0]}
+    trust = signing.TrustStore()
+    for partition in (0, 1):
+        trust.add(keys[partition].public_key())
+    app = ClientApp(mods=[signing_mod(lambda context: keys.get(int(context.node_config["partition-id"])))])
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        metrics = MetricRecord({"num-examples": 10})
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+
+    grid = InProcessGrid(app, 4, seed=0)  # partition 2: no key; partition 3: a key nobody trusts
+    strategy = RobustStrategy(aggregator="mean", signing=trust, require_signatures=False, progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    metrics = result.train_metrics_clientapp[1]
+    assert metrics["accepted"] == 3 and metrics["rejected.unknown_key"] == 1, dict(metrics)
+
+
 def test_federated_evaluation_metrics_are_trimmed_so_one_client_cannot_set_them() -> None:
     """Clients report their own evaluation metrics: one that claims 900,000 examples at accuracy 0 would own
     FedAvg's weighted mean (0.0001 of the others' weight left); trimmed by f, the honest values decide."""
