@@ -276,8 +276,9 @@ class RobustStrategy(Strategy):
     num_byzantine : int
         f, the number of faulty or malicious replies per round the rule tolerates.
     pre : sequence of str or mapping
-        Pre-aggregators in front of a rule given by bare name or as a user rule (``nnm``, ``bucketing``,
-        ``clipping``, ``arc``, ``winsorize``, ``direction``, ``dnc``), each a name or ``{"name": ..., **params}``.
+        Pre-aggregators in front of a rule given by bare name or as a user rule (``fedrobust.aggregators.
+        pre_names()``: ``nnm``, ``bucketing``, ``clipping``, ``arc``, ``winsorize``, ``direction``, ``dedup``,
+        ``consistency``, ``dnc``), each a name or ``{"name": ..., **params}``.
     aggregator_params : mapping, optional
         Keyword parameters of the rule.
     fraction_train, fraction_evaluate, min_train_nodes, min_evaluate_nodes, min_available_nodes
@@ -886,7 +887,22 @@ class RobustStrategy(Strategy):
         # On a CUDA device: one asynchronous copy from the page-locked matrix; the rule's first kernel
         # waits for it on the same stream. The aggregate's copy back synchronises.
         rows = matrix.rows().to(device, non_blocking=True)
-        aggregate = self._call_rule(rule, rows, weights, self._client_ids(outcome.accepted)).to("cpu")
+        try:
+            aggregate = self._call_rule(rule, rows, weights, self._client_ids(outcome.accepted)).to("cpu")
+        except Exception as err:  # a user's rule raising: say which rule, in which round, on how many rows
+            raise RuntimeError(
+                f"round {server_round}: aggregator {rule.label} failed on {len(accepted)} replies: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if not bool(torch.isfinite(aggregate).all()):
+            # Every row was checked finite: the rule made the NaN or infinity. Not a divergence to roll back
+            # with a lower server lr (which cannot help), but a round the rule could not aggregate.
+            bad = int((~torch.isfinite(aggregate)).sum())
+            outcome.why_not_aggregated = (
+                f"aggregator {rule.label} returned {bad} non-finite values of {aggregate.numel()} from "
+                f"{len(accepted)} finite replies"
+            )
+            return outcome
         outcome.f_used = getattr(rule, "last_f", f_used)  # lower where dedup took copies out (its lower_f)
         outcome.filtered = [outcome.accepted[i] for i in getattr(rule, "last_filtered", ())]
         outcome.filtered_by = {outcome.accepted[i]: by for i, by in getattr(rule, "last_filtered_by", {}).items()}
@@ -1290,6 +1306,11 @@ def _rejections_text(outcome: RoundOutcome, shown: int = 3) -> str:
 
 
 def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float]:
-    """Unweighted mean of the clients' own training metrics (reported, never trusted)."""
-    keys = sorted({k for u in updates for k in u.metrics if k.startswith("train_")})
-    return {k: float(np.mean([u.metrics[k] for u in updates if k in u.metrics])) for k in keys}
+    """Unweighted mean of the clients' own finite training metrics (reported, never trusted): one client's
+    NaN would make the round's value NaN, and the metrics file invalid JSON."""
+    values: dict[str, list[float]] = {}
+    for update in updates:
+        for key, value in update.metrics.items():
+            if key.startswith("train_") and math.isfinite(value):
+                values.setdefault(key, []).append(value)
+    return {k: float(np.mean(v)) for k, v in sorted(values.items())}

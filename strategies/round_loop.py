@@ -241,7 +241,7 @@ class RoundLoop:
         deadline = time.monotonic() + s.wait_for_nodes
         last_said = -1
         while True:
-            have = len(list(self.grid.get_node_ids()))
+            have = connected = len(list(self.grid.get_node_ids()))
             if self.discovery is not None:
                 self.discovery.poll()
                 have = len(s.answered)
@@ -249,6 +249,14 @@ class RoundLoop:
                 break
             if s.stop_requested:
                 raise Preempted("stopped while waiting for nodes")
+            if time.monotonic() >= deadline and connected >= need:
+                raise NoNodesError(
+                    f"{connected} nodes connected, but only {have} of the {need} needed (min_available_nodes) "
+                    f"answered the partition query within {s.wait_for_nodes:g} s; nothing was trained. "
+                    "discover_partitions=True asks each node's ClientApp for its partition-id with a query "
+                    "message: give the ClientApp a @app.query() handler (fedrobust's has one), or pass "
+                    "discover_partitions=False"
+                )
             if time.monotonic() >= deadline:
                 raise NoNodesError(
                     f"{have} of the {need} nodes needed (min_available_nodes) connected within "
@@ -498,8 +506,15 @@ class _RoundStart:
 
 
 def _errors_text(outcome: RoundOutcome) -> str:
-    if not outcome.client_errors:
-        return ""
-    total = sum(outcome.client_errors.values())
-    parts = "; ".join(f"{n}x {msg}" for msg, n in outcome.client_errors.most_common(3))
-    return f"; {total} of {outcome.sampled} replies failed on the clients: {parts}"
+    """The replies that did not come: those that failed on the clients (the commonest errors) and those that
+    missed the deadline."""
+    text = ""
+    errors = sum(outcome.client_errors.values())
+    if errors:
+        parts = "; ".join(f"{n}x {msg}" for msg, n in outcome.client_errors.most_common(3))
+        text += f"; {errors} of {outcome.sampled} replies failed on the clients: {parts}"
+    missed = len(outcome.dropped) - errors
+    if missed > 0:
+        text += (f"; {missed} of {outcome.sampled} replies missed the round's deadline (round_deadline; "
+                 "fault.round_timeout in fedrobust's run config)")
+    return text

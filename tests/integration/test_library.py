@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -202,6 +204,18 @@ def test_standard_replies_become_updates_against_the_model_sent() -> None:
         strategy.aggregate_train(2, replies)
 
 
+def _echo_app(metrics: Callable[[int], dict[str, Any]], mods: Sequence[Any] = ()) -> ClientApp:
+    """A ClientApp that trains nothing: it sends the model back with ``metrics(partition)``."""
+    app = ClientApp(mods=list(mods))
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        record = MetricRecord(metrics(int(context.node_config["partition-id"])))
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": record}), reply_to=msg)
+
+    return app
+
+
 def _start_on_honest_nodes(strategy: RobustStrategy, num_nodes: int, initial: nn.Module | None = None) -> Result:
     """One round of ``strategy`` on ``num_nodes`` honest nodes of the in-process grid (Flower's messages),
     from the weights of ``initial`` (default: the task's net)."""
@@ -239,19 +253,61 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
         _start_on_honest_nodes(strategy, 2)
 
 
+def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so() -> None:
+    strategy = RobustStrategy(num_byzantine=1, discover_partitions=True, wait_for_nodes=0.5, progress=False)
+    with pytest.raises(NoNodesError, match=r"^5 nodes connected, but only 0 of the 2 needed \(min_available_nodes\) "
+                                           r"answered the partition query within 0.5 s; .*@app.query\(\) handler"):
+        _start_on_honest_nodes(strategy, 5)  # its ClientApp has @app.train() only
+
+
+def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence() -> None:
+    """A user rule that passes its contract check (5 random rows) but fails on the 4 replies of a round."""
+
+    def nan_on_four(updates: torch.Tensor) -> torch.Tensor:
+        out = updates.median(dim=0).values
+        return out * float("nan") if len(updates) == 4 else out
+
+    def raises_on_four(updates: torch.Tensor) -> torch.Tensor:
+        if len(updates) == 4:
+            raise IndexError("index 4 is out of bounds")
+        return updates.median(dim=0).values
+
+    strategy = RobustStrategy(aggregator=nan_on_four, num_byzantine=1, max_round_retries=1, progress=False)
+    with pytest.raises(QuorumError, match=r"round 1: not aggregated after 2 attempts \(aggregator .*nan_on_four "
+                                          r"returned 2410 non-finite values of 2410 from 4 finite replies\)"):
+        _start_on_honest_nodes(strategy, 4)
+    strategy = RobustStrategy(aggregator=raises_on_four, num_byzantine=1, progress=False)
+    with pytest.raises(RuntimeError, match=r"^round 1: aggregator .*raises_on_four failed on 4 replies: IndexError: "
+                                           r"index 4 is out of bounds$"):
+        _start_on_honest_nodes(strategy, 4)
+
+
+def test_a_round_whose_replies_missed_the_deadline_says_so() -> None:
+    """Nodes that never answer (a grid that loses their replies): the error names the deadline, not only
+    '0 valid replies'."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    class LosingGrid(InProcessGrid):
+        def pull_messages(self, message_ids):  # type: ignore[no-untyped-def]
+            return [r for r in super().pull_messages(message_ids) if r.metadata.src_node_id in self.answering]
+
+    grid = LosingGrid(_echo_app(lambda _: {"num-examples": 10}), 4, seed=0)
+    grid.answering = set(list(grid.get_node_ids())[:1])  # type: ignore[attr-defined]
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, round_deadline=0.3, max_round_retries=0,
+                              progress=False)
+    with _server_identity(grid.run.run_id), pytest.raises(
+        QuorumError, match=r"1 valid replies, median with f=1 needs at least 3\); 3 of 4 replies missed the "
+                           r"round's deadline \(round_deadline; fault.round_timeout"
+    ):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+
+
 def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplog: pytest.LogCaptureFixture) -> None:
     """Every node replies without ``num-examples`` (the usual first mistake): the reason is in the error,
     and the lowered f is explained; more nodes proven faulty than num_byzantine is warned about once."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
-    no_count = ClientApp()
-
-    @no_count.train()
-    def _train(msg: Message, context: Context) -> Message:
-        metrics = MetricRecord({"train_loss": 0.5})
-        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
-
-    grid = InProcessGrid(no_count, 3, seed=0)
+    grid = InProcessGrid(_echo_app(lambda _: {"train_loss": 0.5}), 3, seed=0)
     strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
     with _server_identity(grid.run.run_id), pytest.raises(
         QuorumError,
@@ -296,14 +352,8 @@ def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsign
     for key in keys:
         trust.add(key.public_key())
     counts = {0: 96.0, 1: 40, 2: 2.5}
-    app = ClientApp(mods=[signing_mod(lambda context: keys[int(context.node_config["partition-id"])])])
-
-    @app.train()
-    def _train(msg: Message, context: Context) -> Message:
-        metrics = MetricRecord({"num-examples": counts[int(context.node_config["partition-id"])]})
-        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
-
-    grid = InProcessGrid(app, 3, seed=0)
+    mod = signing_mod(lambda context: keys[int(context.node_config["partition-id"])])
+    grid = InProcessGrid(_echo_app(lambda partition: {"num-examples": counts[partition]}, [mod]), 3, seed=0)
     strategy = RobustStrategy(aggregator="mean", signing=trust, require_signatures=True, progress=False)
     with _server_identity(grid.run.run_id):
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
@@ -321,14 +371,8 @@ def test_optional_signatures_take_a_node_without_a_key_and_still_check_a_wrong_o
     trust = signing.TrustStore()
     for partition in (0, 1):
         trust.add(keys[partition].public_key())
-    app = ClientApp(mods=[signing_mod(lambda context: keys.get(int(context.node_config["partition-id"])))])
-
-    @app.train()
-    def _train(msg: Message, context: Context) -> Message:
-        metrics = MetricRecord({"num-examples": 10})
-        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
-
-    grid = InProcessGrid(app, 4, seed=0)  # partition 2: no key; partition 3: a key nobody trusts
+    mod = signing_mod(lambda context: keys.get(int(context.node_config["partition-id"])))
+    grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}, [mod]), 4, seed=0)  # 2: no key; 3: untrusted
     strategy = RobustStrategy(aggregator="mean", signing=trust, require_signatures=False, progress=False)
     with _server_identity(grid.run.run_id):
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
@@ -341,12 +385,7 @@ def test_federated_evaluation_metrics_are_trimmed_so_one_client_cannot_set_them(
     FedAvg's weighted mean (0.0001 of the others' weight left); trimmed by f, the honest values decide."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
-    app = ClientApp()
-
-    @app.train()
-    def _train(msg: Message, context: Context) -> Message:
-        metrics = MetricRecord({"num-examples": 100})
-        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
+    app = _echo_app(lambda _: {"num-examples": 100})
 
     @app.evaluate()
     def _evaluate(msg: Message, context: Context) -> Message:
