@@ -108,6 +108,11 @@ class RoundLoop:
                 self._record(row)
             first_round = resumed.round + 1
             self.metrics.say(f"resumed after round {resumed.round} from {self.checkpointer.resumed_from}")
+            if resumed.round > self.num_rounds:
+                self.metrics.say(
+                    f"the checkpoint is after round {resumed.round}, past num_rounds={self.num_rounds}: nothing to "
+                    f"train; the result is the model of round {resumed.round}"
+                )
         else:
             self.metrics.restore([])  # a fresh run: no rows of an earlier one in its metrics file
             if self.evaluate_fn is not None:

@@ -558,6 +558,22 @@ def test_a_checkpoint_tells_a_changed_user_rule_from_the_same_one() -> None:
     assert rule_identity(Scaled)["name"].endswith("Scaled") and rule_identity(Scaled)["code"]
 
 
+def test_a_resume_past_num_rounds_says_that_nothing_is_trained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    results = []
+    for num_rounds in (2, 1):  # a second start() on the checkpoint of round 2, asking for 1 round
+        grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 5, seed=0)
+        with _server_identity(grid.run.run_id):
+            initial = ArrayRecord(make_net().state_dict())
+            results.append(RobustStrategy(checkpoint_dir=tmp_path).start(grid=grid, initial_arrays=initial,
+                                                                         num_rounds=num_rounds))
+    assert "the checkpoint is after round 2, past num_rounds=1: nothing to train" in capsys.readouterr().out
+    assert sorted(results[1].train_metrics_clientapp) == [1, 2]
+
+
 @pytest.mark.slow(seconds=20)
 def test_a_run_with_a_rule_object_resumes_in_another_process(tmp_path: Path) -> None:
     """The settings a checkpoint must agree with name a user's rule by its dotted name, not by repr(),
