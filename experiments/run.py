@@ -161,6 +161,12 @@ def override_problems(args: Sequence[str]) -> list[str]:
             problems.append(f"{key}={format_value(value)}: Hydra reads this value as a {kind}, not a name; "
                             f"valid choices in {key}: {', '.join(names)}")
             continue
+        if dataclasses.is_dataclass(hint) and isinstance(value, str) and (CONF_DIR / key).is_dir():
+            names = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+            if value not in names and "${" not in value:  # Hydra's own answer spans some 30 lines
+                problems.append(f"{key}={format_value(value)}: unknown choice; valid choices in {key}: "
+                                f"{', '.join(names)}")
+            continue
         if dataclasses.is_dataclass(hint) or hint is str:
             continue  # a group choice, or a string: Hydra turns any scalar into one
         if isinstance(value, str):

@@ -222,6 +222,21 @@ def result_path(out: Path, spec: RunSpec) -> Path:
     return out / f"{spec.key}.json"
 
 
+def _other_overrides(stored: dict[str, RunSpec], overrides: dict[str, list[str]], out: Path) -> list[str]:
+    """``key: removed -> added`` for each finished result in ``out`` whose overrides differ from the requested."""
+    lines = []
+    for key, spec in stored.items():
+        try:
+            result = json.loads(result_path(out, spec).read_text())
+        except (OSError, ValueError):
+            continue  # unreadable: not a finished result, run again
+        old, new = result.get("overrides"), overrides[key]
+        if result.get("status") in (OK, QUORUM) and isinstance(old, list) and old != new:
+            removed, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+            lines.append(f"{key}: {' '.join(removed) or '(none)'} -> {' '.join(added) or '(none)'}")
+    return lines
+
+
 def _stored(path: Path, overrides: list[str]) -> dict[str, Any] | None:
     """The finished result at ``path`` if it ran with the same overrides (one from other settings is run
     again), else None."""
@@ -346,11 +361,18 @@ def run_study(
     out: Path,
     command: str = "",
     echo: bool = True,
+    replace: bool = False,
 ) -> list[dict[str, Any]]:
     """Run every combination that has no result in ``out`` yet; return the results of all of them.
 
     With ``jobs > 1`` the runs go to a pool of ``jobs`` processes (one PyTorch
     thread each); with ``jobs=1`` they run in this process, one after the other.
+
+    Raises
+    ------
+    ValueError
+        ``out`` holds finished results of these runs made with other overrides, and not ``replace``:
+        they are kept, not run again over (a study is one setting per results directory).
     """
     for partition in partitions:
         if partition not in PARTITIONS:
@@ -365,7 +387,14 @@ def run_study(
         )
         for s in specs
     }
-    up_to_date = _up_to_date({s.key: s for s in specs if result_path(out, s).exists()}, overrides, out)
+    stored = {s.key: s for s in specs if result_path(out, s).exists()}
+    other = _other_overrides(stored, overrides, out)
+    if other and not replace:
+        raise ValueError(
+            f"{len(other)} finished result(s) in {out} ran with other overrides, e.g. {other[0]}; they are kept: "
+            "use another --out for these settings, or --replace to run them again with these"
+        )
+    up_to_date = _up_to_date(stored, overrides, out)
     todo = [s for s in specs if s.key not in up_to_date]
     started = time.perf_counter()
     # The code the workers import now: changes to the working tree during the sweep do not reach them.
@@ -463,7 +492,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", dest="extra", nargs="+", default=[], metavar="KEY=VALUE",
                         help="extra Hydra overrides for every run, e.g. attack.params.scale=4 (use a separate --out)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default: %(default)s)")
-    parser.add_argument("--out", type=Path, required=True, help="results directory (existing results are kept)")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="results directory; its finished runs of the same settings are kept, not run again")
+    parser.add_argument("--replace", action="store_true",
+                        help="run again the results in --out that were made with other overrides (they are "
+                             "refused otherwise)")
     return parser.parse_args(argv)
 
 
@@ -504,9 +537,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             jobs=args.jobs,
             out=args.out,
             command=shlex.join(["python", "-m", "experiments.study", *args_list]),
+            replace=args.replace,
         )
     except ConfigError as err:  # a run's configuration, composed before any run starts
         _exit_invalid("invalid configuration", err.problems)
+    except ValueError as err:  # other results in --out, or arguments out of range
+        _exit_invalid("invalid arguments", [str(err)])
 
 
 def _exit_invalid(what: str, problems: Sequence[str]) -> NoReturn:

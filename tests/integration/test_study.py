@@ -136,6 +136,15 @@ def test_small_sweep_report_and_the_effect_of_sign_flip(tmp_path: Path) -> None:
     assert final[("mean", "sign_flip")] < final[("median", "sign_flip")]
     assert final[("mean", "sign_flip")] < final[("mean", "none")]
 
+    # Other settings into the same directory: refused, the results kept; --replace runs them again.
+    stored = sorted(p.read_bytes() for p in results_dir.glob("iid__*__s0.json"))
+    with pytest.raises(ValueError, match=r"4 finished result\(s\) in .* ran with other overrides, e.g. "
+                                         r"iid__mean__none__s0: num_rounds=3 -> num_rounds=2; they are kept"):
+        run_study(**{**kwargs, "rounds": 2})
+    assert sorted(p.read_bytes() for p in results_dir.glob("iid__*__s0.json")) == stored
+    replaced = run_study(**{**kwargs, "rules": ["mean"], "attacks": ["none"], "rounds": 2, "replace": True})
+    assert len(replaced) == 1 and len(replaced[0]["rows"]) == 2
+
 
 def test_rules_with_pre_aggregators_compose_into_their_pipeline() -> None:
     """``<pre>+<pre>+<rule>`` puts the pre-aggregators in front, in order; one pre or none too."""

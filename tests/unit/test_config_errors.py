@@ -438,3 +438,18 @@ def test_a_flower_run_config_names_wrong_types_and_wrong_values_in_one_pass(capl
     with pytest.raises(ConfigError) as info:
         checked_run_config(refused_f)
     assert info.value.problems == ["num_byzantine=four: must be an integer"]
+
+
+@pytest.mark.parametrize("override", ["aggregator=krumm", "attack=sign_flipp", "partition=dirich", "model=cnnn"])
+def test_a_misspelled_group_choice_names_the_choices(override: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hydra's own answer is some 30 lines (the search path, every option) and exit 1."""
+
+    def composed() -> None:
+        pytest.fail("Hydra was started")
+
+    monkeypatch.setattr(run, "main", composed)
+    group = override.split("=")[0]
+    outcome = _cli([override], monkeypatch)
+    _assert_one_problem(outcome, f"{override}: ", f"unknown choice; valid choices in {group}: ")
+    choices = outcome.stderr.split(f"valid choices in {group}: ")[1].split(", ")
+    assert [c.strip() for c in choices] == sorted(p.stem for p in (run.CONF_DIR / group).glob("*.yaml"))
