@@ -7,6 +7,7 @@ instead of minutes into a run.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -42,8 +43,8 @@ def _at_least(problems: list[str], key: str, value: float, low: float, note: str
 
 
 def _positive(problems: list[str], key: str, value: float) -> None:
-    if not value > 0:
-        _problem(problems, key, value, "must be > 0")
+    if not 0 < value < math.inf:  # also catches NaN; an infinite lr or timeout is a typo, never a setting
+        _problem(problems, key, value, "must be > 0 and finite")
 
 
 def _in_unit(problems: list[str], key: str, value: float) -> None:

@@ -167,3 +167,12 @@ def test_a_quoted_number_in_a_flat_config_is_the_number() -> None:
         with pytest.raises(ConfigError) as info:
             from_flat(flat)
         assert info.value.problems == [problem]
+
+
+def test_an_infinite_learning_rate_or_timeout_is_refused() -> None:
+    """client.lr=inf passed as > 0, and then every reply of every round was rejected as non-finite."""
+    from fedrobust.run_setup import config_problems
+
+    problems = config_problems(from_flat({"client.lr": float("inf"), "fault.round_timeout": float("inf")}))
+    assert "client.lr=inf: must be > 0 and finite" in problems
+    assert "fault.round_timeout=inf: must be > 0 and finite" in problems

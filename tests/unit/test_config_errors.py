@@ -337,7 +337,7 @@ runpy.run_module("experiments.run", run_name="__main__", alter_sys=True)
     ("override", "line", "imported"),
     [
         ("client.lr=fast", "client.lr=fast: must be a number", "[]"),  # a type: caught before Hydra and torch
-        ("client.lr=-0.1", "client.lr=-0.1: must be > 0", "['torch']"),  # a range: after composing, no engine
+        ("client.lr=-0.1", "client.lr=-0.1: must be > 0 and finite", "['torch']"),  # a range: after Hydra
     ],
 )
 def test_command_exits_2_and_never_imports_ray_or_flower(
