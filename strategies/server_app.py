@@ -20,7 +20,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from fedrobust import attacks
 from fedrobust.config import ConfigError, RunConfig, from_flat
@@ -248,7 +248,12 @@ def run_experiment(
         evaluate_fn=central_evaluate_fn(cfg),
     )
     state = {k: v.contiguous() for k, v in result.arrays.to_torch_state_dict().items()}
-    save_file(state, str(out_dir / "final_model.safetensors"))
+    # Written whole, then renamed: a run is finished when the file exists (docs/flwr_run.md), so a crash
+    # while writing must not leave a partial one. Mode as the other outputs (the umask's).
+    final = out_dir / "final_model.safetensors"
+    partial = final.with_name(final.name + ".partial")
+    partial.write_bytes(safetensors_bytes(state))
+    os.replace(partial, final)
     return result
 
 

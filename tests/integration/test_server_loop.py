@@ -69,7 +69,9 @@ def test_a_refused_resume_leaves_the_earlier_run_s_files_alone(tmp_path: Path) -
     first = small_config(tmp_path, num_rounds=2, **shared)
     run_inprocess(first, Path(first.output_dir))
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
-    assert {"metrics.jsonl", "resolved_config.json", "final_model.safetensors"} <= set(before)
+    assert set(before) == {"metrics.jsonl", "resolved_config.json", "final_model.safetensors"}  # no .partial
+    mode = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert mode["final_model.safetensors"] == mode["metrics.jsonl"], mode  # the umask's, as the other outputs
 
     changed = small_config(tmp_path, num_rounds=3, **shared, **{"client.lr": 0.2})
     with pytest.raises(CheckpointMismatchError, match=r"client.lr: 0.3 -> 0.2"):
