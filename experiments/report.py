@@ -617,6 +617,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     import sys
 
     command = shlex.join(["python", "-m", "experiments.report", *(sys.argv[1:] if argv is None else argv)])
+    given = [("--results", args.results), ("--pilot", args.pilot), *(("--extra", d) for d in args.extra),
+             *(("--default-choice", d) for d in args.default_choice)]
+    missing = [f"{flag} {path}" for flag, path in given if path is not None and not path.is_dir()]
+    if missing:  # a typo'd directory would be left out of the report while its command records it
+        parser.error(f"no such results directory: {', '.join(missing)}")
     docs_dir = args.docs if args.docs is not None else args.results / "report"
     try:
         path = write_report(

@@ -477,6 +477,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[], help="only these seeds (default: all)")
     parser.add_argument("--incumbent", default=DEFAULT, help=f"the current default (default: {DEFAULT})")
     args = parser.parse_args(argv)
+    missing = [str(d) for d in args.dirs if not d.is_dir()]
+    if missing:
+        parser.error(f"no such results directory: {', '.join(missing)}")
+    ran = sorted({r["rule"].split(" @ ")[0] for r in labelled_results(args.dirs)})
+    named = [*args.rules, *([args.incumbent] if args.incumbent != DEFAULT else [])]  # the default: where it ran
+    unknown = [rule for rule in named if rule not in ran]
+    if unknown and ran:  # a typo would give an empty table, or a default compared with nothing
+        parser.error(f"no results of {', '.join(unknown)} in these directories; they hold: {', '.join(ran)}")
     try:
         lines = section(args.dirs, rules=args.rules, incumbent=args.incumbent, seeds=args.seeds)
     except ValueError as err:  # sweeps that cannot be compared (no clean FedAvg, hold-out beside test set)

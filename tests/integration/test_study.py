@@ -163,3 +163,21 @@ def test_rules_with_pre_aggregators_compose_into_their_pipeline() -> None:
     }
     # An attack tuned to the server's rule is tuned to the whole pipeline.
     assert configs["optimal"].attack.params["rule"] == "winsorize+nnm+trimmed_mean"
+
+
+def test_report_tools_refuse_directories_and_rules_that_are_not_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo'd directory or rule used to give an empty table, or a report whose command named a pilot
+    it left out."""
+    from experiments import report, worst_case
+
+    shipped = Path(__file__).resolve().parents[2] / "docs" / "results" / "default_choice" / "local_epochs_3" / "main"
+    for main, argv, message in (
+        (worst_case.main, [str(tmp_path / "nope")], "no such results directory"),
+        (worst_case.main, [str(shipped), "--rules", "krumm"], "no results of krumm in these directories"),
+        (report.main, ["--results", str(shipped), "--pilot", str(tmp_path / "nope")], "--pilot"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
