@@ -120,6 +120,15 @@ def _attack_files() -> dict[str, str]:
     return files
 
 
+def study_attack(given: str) -> str:
+    """The study's name of an attack given as its name or as its file in ``conf/attack`` (``nan_fill``, as
+    Hydra's ``attack=nan_fill`` names it, is the study's ``nan``)."""
+    files = _attack_files()
+    if given in files:
+        return given
+    return next((name for name, stem in files.items() if stem == given), given)
+
+
 @functools.cache
 def _aggregator_files() -> dict[str, str]:
     """File stem in ``conf/aggregator`` -> the ``aggregator.name`` it sets."""
@@ -481,7 +490,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rules", nargs="+", default=list(RULES),
                         help="aggregation rules, each a conf/aggregator file (centered_clipping_auto) with "
                              "pre-aggregators in front: 'nnm+<rule>' (default: %(default)s)")
-    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), help="attacks (conf/attack/*.yaml)")
+    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS),
+                        help="attacks: their names, or their files in conf/attack (nan_fill is the study's nan)")
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
@@ -490,7 +500,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="f: the number of Byzantine clients and the rules' f")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="Dirichlet concentration")
     parser.add_argument("--set", dest="extra", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="extra Hydra overrides for every run, e.g. attack.params.scale=4 (use a separate --out)")
+                        help="extra Hydra overrides for every run, e.g. +attack.params.scale=4 (use a separate --out)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True,
                         help="results directory; its finished runs of the same settings are kept, not run again")
@@ -498,6 +508,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="run again the results in --out that were made with other overrides (they are "
                              "refused otherwise)")
     return parser.parse_args(argv)
+
+
+def extra_problems(extra: Sequence[str]) -> list[str]:
+    """What is wrong with ``--set`` overrides, one line each, as ``python -m experiments.run`` checks its own
+    (an unknown key, a value of the wrong type, a key that needs Hydra's ``+``)."""
+    from experiments.run import override_problems
+
+    return [f"--set {line}" for line in override_problems(extra)]
 
 
 def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]:
@@ -517,9 +535,12 @@ def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from hydra.errors import HydraException
+
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(args_list)
-    problems = argument_problems(args.rules, args.attacks)
+    args.attacks = [study_attack(a) for a in args.attacks]  # Hydra's group choices are taken too
+    problems = argument_problems(args.rules, args.attacks) + extra_problems(args.extra)
     if problems:
         _exit_invalid("invalid arguments", problems)
     _worker_init()
@@ -541,13 +562,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except ConfigError as err:  # a run's configuration, composed before any run starts
         _exit_invalid("invalid configuration", err.problems)
-    except ValueError as err:  # other results in --out, or arguments out of range
+    except (ValueError, OSError) as err:  # other results in --out, arguments out of range, an --out that is a file
         _exit_invalid("invalid arguments", [str(err)])
+    except HydraException as err:  # an override Hydra cannot apply, e.g. a new key without its '+'
+        said = " ".join(line.strip() for line in str(err).splitlines()[:2])  # Hydra's hint is on its second line
+        _exit_invalid("invalid configuration", [f"--set {' '.join(args.extra)}: {said}"])
 
 
-def _exit_invalid(what: str, problems: Sequence[str]) -> NoReturn:
+def _exit_invalid(what: str, problems: Sequence[str], prog: str = "experiments.study") -> NoReturn:
     """Print ``problems`` one per line and exit 2, as ``experiments.run`` does for a bad config."""
-    print(f"experiments.study: {what}:", file=sys.stderr)
+    print(f"{prog}: {what}:", file=sys.stderr)
     for line in problems:
         print(f"  {line}", file=sys.stderr)
     sys.exit(2)

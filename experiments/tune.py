@@ -228,6 +228,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(args_list)
     settings = dict(args.settings)
+    # Checked before anything runs: a misspelled rule or override failed after clean FedAvg's runs.
+    problems = [line.replace("--rules:", "--rule:", 1) for line in study.argument_problems([args.rule], [])] + [
+        f"--setting {name}: {line.removeprefix('--set ')}"
+        for name, overrides in settings.items()
+        for line in study.extra_problems(overrides)
+    ]
+    if args.report_only and not any(args.out.glob("*/*.json")):
+        problems.append(f"--report-only: no results in {args.out}")
+    if problems:
+        study._exit_invalid("invalid arguments", problems, prog="experiments.tune")
     if not args.report_only:
         study._worker_init()
         command = shlex.join(["python", "-m", "experiments.tune", *args_list])

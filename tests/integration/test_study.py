@@ -181,3 +181,52 @@ def test_report_tools_refuse_directories_and_rules_that_are_not_there(
         with pytest.raises(SystemExit) as stopped:
             main(argv)
         assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--set", "num_clinets=3"], "--set num_clinets=3: unknown key; valid keys in run config:"),
+        (["--set", "client.lr=abc"], "--set client.lr=abc: must be a number"),
+        (["--set", "attack.params.scale=4"], "To append to your config use +attack.params.scale=4"),
+        (["--jobs", "0"], "jobs must be >= 1, got 0"),
+    ],
+)
+def test_study_arguments_a_user_gets_wrong_are_one_line_each(
+    extra: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from experiments import study
+
+    argv = ["--rules", "mean", "--attacks", "sign_flip", "--partitions", "iid", "--seeds", "0", "--rounds", "1",
+            "--out", str(tmp_path / "out"), *extra]
+    with pytest.raises(SystemExit) as stopped:
+        study.main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in err and "Traceback" not in err, err
+    assert not list((tmp_path / "out").glob("*.json"))  # nothing ran
+
+
+def test_study_takes_an_attack_by_its_hydra_file_name() -> None:
+    from experiments.study import study_attack
+
+    assert study_attack("nan_fill") == "nan" and study_attack("nan") == "nan" and study_attack("mimic") == "mimic"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rule", "krumm", "--setting", "base="], "--rule: rule 'krumm'"),
+        (["--setting", "x=num_clinets=3"], "--setting x: num_clinets=3: unknown key"),
+        (["--setting", "base=", "--report-only"], "--report-only: no results in"),
+    ],
+)
+def test_tune_checks_its_arguments_before_running_anything(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from experiments import tune
+
+    with pytest.raises(SystemExit) as stopped:
+        tune.main(["--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith("experiments.tune: invalid arguments:") and message in err, err
+    assert not list(tmp_path.rglob("*.json"))
