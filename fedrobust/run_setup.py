@@ -377,6 +377,9 @@ def _check_checkpoint_basics(cfg: RunConfig, problems: list[str]) -> None:
     ckpt_dir = cfg.checkpoint.dir
     if ckpt_dir and "://" not in ckpt_dir:
         _local_dir(problems, "checkpoint.dir", ckpt_dir, "a directory or URL")
+    mirror = cfg.checkpoint.mirror
+    if mirror and "://" not in mirror:  # a local mirror (a mounted share): the same check as the directory
+        _local_dir(problems, "checkpoint.mirror", mirror, "a directory or URL")
 
 
 def _check_resources(cfg: RunConfig, problems: list[str], local_devices: bool) -> None:

@@ -176,3 +176,14 @@ def test_an_infinite_learning_rate_or_timeout_is_refused() -> None:
     problems = config_problems(from_flat({"client.lr": float("inf"), "fault.round_timeout": float("inf")}))
     assert "client.lr=inf: must be > 0 and finite" in problems
     assert "fault.round_timeout=inf: must be > 0 and finite" in problems
+
+
+def test_a_local_checkpoint_mirror_is_checked_as_the_directory_is(tmp_path: Path) -> None:
+    """It failed with a traceback after the engine had started."""
+    from fedrobust.run_setup import config_problems
+
+    (tmp_path / "a_file").write_text("")
+    cfg = from_flat({"checkpoint.dir": str(tmp_path / "ckpt"), "checkpoint.mirror": str(tmp_path / "a_file" / "m")})
+    assert config_problems(cfg) == [
+        f"checkpoint.mirror={tmp_path / 'a_file' / 'm'}: must be a directory or URL ({tmp_path / 'a_file'} is a file)"
+    ]
