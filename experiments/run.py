@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -236,7 +237,7 @@ def main(cfg: DictConfig) -> float:
         os._exit(EXIT_PREEMPTED)
 
     try:
-        rows = simulate(run_cfg, out_dir, on_stuck_stop=exit_preempted_now)
+        rows = simulate(run_cfg, out_dir, on_stuck_stop=exit_preempted_now, early_signals=EARLY_SIGNALS)
     except Preempted as stopped:
         _say_preempted(stopped, run_cfg)
         sys.exit(EXIT_PREEMPTED)
@@ -252,8 +253,19 @@ def main(cfg: DictConfig) -> float:
     return final
 
 
+# SIGTERM and SIGINT that came before the run's own handlers went in (while Python imports torch, Hydra
+# composes, Ray starts: seconds): the run stops at its first chance, with exit 75, as for a later signal.
+EARLY_SIGNALS: list[int] = []
+
+
+def _remember_early_signal(signum: int, _frame: object) -> None:
+    EARLY_SIGNALS.append(signum)
+
+
 def cli() -> None:
     """``python -m experiments.run``: check the overrides' types, then let Hydra compose and run."""
+    signal.signal(signal.SIGTERM, _remember_early_signal)
+    signal.signal(signal.SIGINT, _remember_early_signal)
     problems = override_problems(sys.argv[1:])
     if problems and not _full_error():
         _exit_invalid(problems)

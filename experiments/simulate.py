@@ -8,12 +8,15 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+# Before Ray is imported: ray_constants reads it then. Ray's C++ failure-signal handler would turn a
+# SIGTERM that comes after ray.init and before our handlers into an abort (exit 134, no checkpoint).
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 import ray
 from flwr.app import Context
@@ -53,20 +56,28 @@ class _WithoutRunSimulationNotice(logging.Filter):
 def _start_ray(verbose: bool) -> None:
     """Start Ray here rather than inside Flower, so that our signal handlers can go in after it.
 
-    Flower's Ray backend reuses an initialised Ray. Ray's C++ failure-signal handler
-    would turn SIGTERM into an abort before Python sees it, so it is switched off.
+    Flower's Ray backend reuses an initialised Ray. Ray's C++ failure-signal handler, which would turn
+    SIGTERM into an abort, is switched off where this module is imported, before Ray is.
     """
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPU-env warning on CPU runs
-    ray.init(
-        # What Flower's backend passes: workers need this process's import path.
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
-        num_cpus=os.cpu_count() or 1,
-        include_dashboard=False,
-        log_to_driver=verbose,
-    )
+    # ray.init first sets a SIGTERM handler of its own that calls sys.exit wherever the signal lands: a
+    # SIGTERM while Ray started hung the process (the SystemExit raised inside logging's lock release).
+    # The caller's handler stays in place instead until the run's own go in.
+    ray_utils = ray._private.utils
+    set_sigterm_handler = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda _handler: None
+    try:
+        ray.init(
+            # What Flower's backend passes: workers need this process's import path.
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            log_to_driver=verbose,
+        )
+    finally:
+        ray_utils.set_sigterm_handler = set_sigterm_handler
 
 
 def simulate(
@@ -75,6 +86,7 @@ def simulate(
     *,
     verbose: bool = False,
     on_stuck_stop: Callable[[Preempted], object] | None = None,
+    early_signals: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` simulated SuperNodes; return the metrics rows.
 
@@ -89,6 +101,10 @@ def simulate(
     server's ``Preempted`` when the engine has not shut down ``STOP_TEARDOWN_TIMEOUT`` seconds
     after the server stopped; a command-line caller exits the process there. The checkpoint is
     on disk by then: nothing is lost by not waiting.
+
+    ``early_signals``, filled by the caller's own handler until this one's go in (a list it appends
+    to), are signals that came before: the run stops at once (``Preempted``) or, once Ray has started,
+    before its first round.
 
     Raises
     ------
@@ -106,6 +122,8 @@ def simulate(
     flwr_logger = logging.getLogger("flwr")
     if not verbose:  # Flower logs every actor and backend step at DEBUG
         flwr_logger.setLevel(logging.INFO)
+    if early_signals:
+        raise Preempted(_early_stop(early_signals), checkpointed=_has_checkpoint(cfg))
     _start_ray(verbose)
     # After ray.init, which replaces the SIGTERM handler with its own sys.exit. The strategy is
     # built inside the ServerApp, so a signal that comes first is remembered and passed on.
@@ -123,6 +141,9 @@ def simulate(
             strategy.request_stop()
 
     signals = install_stop_handlers(request_stop)
+    if early_signals:  # while Ray started
+        log.warning("%s; stopping before the first round", _early_stop(early_signals))
+        request_stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = out_dir / "metrics.jsonl"  # the strategy starts it over, or rewrites it on a resume
     server_app = ServerApp()
@@ -172,6 +193,10 @@ def simulate(
     if len(rows) < cfg.num_rounds:
         raise RuntimeError(f"the server stopped after {len(rows)} of {cfg.num_rounds} rounds; see the log above")
     return rows
+
+
+def _early_stop(early_signals: Sequence[int]) -> str:
+    return f"stopped: {signal.Signals(early_signals[0]).name} received before the run started"
 
 
 def backend_config(cfg: RunConfig) -> dict[str, Any]:

@@ -168,6 +168,21 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         assert committed(ckpt) == ROUNDS  # the killed writer's leftovers were cleaned up
 
 
+@pytest.mark.slow(seconds=25)
+def test_a_signal_before_the_first_round_also_exits_75(tmp_path: Path) -> None:
+    """A scheduler requeues on 75: a SIGINT while the run is still starting (imports, config), and a SIGTERM
+    just after Ray started (Ray's own handlers once turned these into exit 1, a hang, or an abort)."""
+    for name, signum, when in (("early", signal.SIGINT, None), ("ray", signal.SIGTERM, "Started a local Ray")):
+        run = start(hydra_command(tmp_path / name, tmp_path / f"{name}-ckpt"), tmp_path / f"{name}.log")
+        if when is None:
+            time.sleep(1.0)  # past Python's start-up, inside the imports and Hydra
+        else:
+            wait_for(run, when)
+        os.kill(run.pid, signum)
+        assert finish(run) == EXIT_PREEMPTED, run.tail()
+        assert "the same command starts over" in run.log_path.read_text(), run.tail()
+
+
 def _pause_ray_control_store(run: Proc) -> int:
     """SIGSTOP to the run's Ray control store (``gcs_server``); its pid. Ray's calls to it then hang."""
     for pid, _ in descendants(run.pid):
