@@ -28,6 +28,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib import colors
+from matplotlib.ticker import MaxNLocator
 
 from experiments import worst_case
 from experiments.study import ATTACKS, OK, PARTITIONS, QUORUM, RULES, load_results
@@ -187,6 +188,8 @@ def plot_curves(cells: dict, partition: str, rules: list[str], attacks: list[str
     axes.flat[0].set_ylim(max(0.0, math.floor(lowest * 10) / 10 - 0.05), 1.0)
     for ax in axes[-1]:
         ax.set_xlabel("round", fontsize=11)
+    for ax in axes.flat:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no 1.25, 1.5 ticks
     for ax in axes[:, 0]:
         ax.set_ylabel("test accuracy", fontsize=11)
     for ax in list(axes.flat)[len(attacks):]:

@@ -491,10 +491,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="aggregation rules, each a conf/aggregator file (centered_clipping_auto) with "
                              "pre-aggregators in front: 'nnm+<rule>' (default: %(default)s)")
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS),
-                        help="attacks: their names, or their files in conf/attack (nan_fill is the study's nan)")
-    parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
-    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
+                        help="attacks: their names, or their files in conf/attack (nan_fill is the study's nan; "
+                             "default: %(default)s)")
+    parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS,
+                        help="(default: %(default)s)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="(default: %(default)s)")
     parser.add_argument("--clients", type=int, default=DEFAULT_CLIENTS, help="clients (all of them train every round)")
     parser.add_argument("--byzantine", type=int, default=DEFAULT_BYZANTINE,
                         help="f: the number of Byzantine clients and the rules' f")

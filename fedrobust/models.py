@@ -29,10 +29,10 @@ __all__ = ["build_model", "names"]
 logger = logging.getLogger(__name__)
 
 
-def _mlp(input_shape: tuple[int, ...], num_classes: int, *, hidden: Sequence[int] = (64,)) -> nn.Module:
+def _mlp(input_shape: tuple[int, ...], num_classes: int, *, hidden: int | Sequence[int] = (64,)) -> nn.Module:
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(input_shape)
-    for size in hidden:
+    for size in (hidden,) if isinstance(hidden, int) else hidden:  # +model.params.hidden=64: one layer
         layers += [nn.Linear(width, size), nn.ReLU()]
         width = size
     layers.append(nn.Linear(width, num_classes))
@@ -158,9 +158,9 @@ def build_model(name: str, *, input_shape: Sequence[int], num_classes: int, **pa
     num_classes : int
         Number of output logits.
     **params
-        Model options: ``mlp``: ``hidden`` (widths of the hidden layers, default ``(64,)``); ``cnn``: ``channels``
-        (two convolution widths, default ``(16, 32)``), ``hidden`` (default 128); ``resnet``: ``widths`` (one per
-        stage, default ``(32, 64, 128)``), ``blocks_per_stage`` (default 1).
+        Model options: ``mlp``: ``hidden`` (widths of the hidden layers, or one width, default ``(64,)``);
+        ``cnn``: ``channels`` (two convolution widths, default ``(16, 32)``), ``hidden`` (default 128); ``resnet``:
+        ``widths`` (one per stage, default ``(32, 64, 128)``), ``blocks_per_stage`` (default 1).
 
     Returns
     -------

@@ -1221,7 +1221,7 @@ class RobustStrategy(Strategy):
         outcome.rejected_nodes.append(
             {"node": node_id, "partition": partition, "reason": rejection.reason, "detail": rejection.detail}
         )
-        log.info(
+        log.debug(  # the round's progress lines name it (reporting.node_lines): at INFO it showed twice
             "round %d: rejected reply of node %d%s: %s (%s)",
             server_round,
             node_id,

@@ -24,7 +24,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from fedrobust import attacks
 from fedrobust.config import ConfigError, RunConfig, from_flat
-from fedrobust.run_setup import config_problems, validate
+from fedrobust.run_setup import byzantine_partitions, config_problems, validate
 from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
 from fedrobust.strategies.from_config import strategy_from_config
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
@@ -53,7 +53,8 @@ class StopSignals:
     def __call__(self, signum: int, _frame: object) -> None:
         self.count += 1
         if self.count == 1:
-            log.warning("received %s: finishing up, writing a checkpoint", signal.Signals(signum).name)
+            log.warning("received %s: stopping; the last completed round is checkpointed where checkpoints are on",
+                        signal.Signals(signum).name)
         self.request_stop()
 
 
@@ -237,6 +238,9 @@ def run_experiment(
     """
     validate(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
+    attackers = sorted(byzantine_partitions(cfg))
+    if attackers:  # so that the rounds' rejected, filtered and excluded nodes can be read against them
+        log.info("attack %s played by partitions %s", cfg.attack.name, ", ".join(map(str, attackers)))
     strategy = strategy_from_config(cfg, out_dir=out_dir, update_hook=update_hook, progress=progress)
     if on_strategy is not None:
         on_strategy(strategy)

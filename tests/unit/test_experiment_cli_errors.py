@@ -8,8 +8,8 @@ from experiments import attack_reach, report, worst_case
 
 
 @pytest.mark.parametrize(("main", "argv", "message"), [
-    (worst_case.main, ["{missing}"], "no study results in {missing}"),
-    (report.main, ["--results", "{missing}", "--docs", "{tmp}/docs"], "no study results in {missing}"),
+    (worst_case.main, ["{missing}"], "no such results directory: {missing}"),
+    (report.main, ["--results", "{missing}", "--docs", "{tmp}/docs"], "no such results directory: --results {missing}"),
     (attack_reach.main, ["--attack", "min_maxx"], "no config in conf/attack for attack 'min_maxx'; configured"),
 ])
 def test_a_tool_given_nothing_it_can_use_says_so(main, argv, message, tmp_path, capsys) -> None:

@@ -25,4 +25,4 @@ def test_a_storm_of_signals_is_counted_and_logged_once(caplog: pytest.LogCapture
             signal.signal(sig, old)
     assert handler.count == 4 and len(requests) == 4  # each one asks again (the request is idempotent)
     lines = [r.getMessage() for r in caplog.records if "received" in r.getMessage()]
-    assert lines == ["received SIGTERM: finishing up, writing a checkpoint"]
+    assert lines == ["received SIGTERM: stopping; the last completed round is checkpointed where checkpoints are on"]
