@@ -490,6 +490,9 @@ class RobustStrategy(Strategy):
             # A string "false" from a config file would read as True: weighting by claimed counts, for one.
             _check(isinstance(flag, bool | np.bool_),
                    f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
+        weight_by_num_examples, require_signatures, force_resume = (  # np.bool_ is no JSON for checkpoints
+            bool(f) for f in (weight_by_num_examples, require_signatures, force_resume)
+        )
         for name, key in (("weighted_by_key", weighted_by_key), ("arrayrecord_key", arrayrecord_key),
                           ("configrecord_key", configrecord_key)):
             _check(isinstance(key, str) and key != "", f"{name} must be a record or metric name, got {key!r}")
