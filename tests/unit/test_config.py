@@ -25,6 +25,11 @@ def test_default_config_is_valid() -> None:
     assert cfg.num_clients == 20 and cfg.num_rounds == 20
 
 
+def test_clients_per_round_follows_num_clients_unless_set() -> None:
+    assert _compose("num_clients=6").clients_per_round == 6
+    assert _compose("num_clients=6", "clients_per_round=4").clients_per_round == 4
+
+
 @pytest.mark.parametrize(
     "group,choice",
     [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))],
