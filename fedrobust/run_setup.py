@@ -120,7 +120,8 @@ def _check_counts(cfg: RunConfig, problems: list[str]) -> None:
         _problem(problems, "num_byzantine", cfg.num_byzantine, f"must be < num_clients ({cfg.num_clients})")
     if cfg.num_clients >= 1 and not 1 <= cfg.clients_per_round <= cfg.num_clients:
         _problem(problems, "clients_per_round", cfg.clients_per_round, f"must be in [1, num_clients={cfg.num_clients}]")
-    elif cfg.clients_per_round < 1:
+    elif cfg.clients_per_round < 1 and cfg.clients_per_round != cfg.num_clients:
+        # Equal to a bad num_clients: Hydra's clients_per_round follows it, one problem is reported.
         _problem(problems, "clients_per_round", cfg.clients_per_round, "must be >= 1")
     if cfg.output_dir:
         _local_dir(problems, "output_dir", cfg.output_dir, "a directory")
