@@ -20,6 +20,38 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 
 
+def push(grid: Grid, messages: Sequence[Message]) -> dict[str, int]:
+    """Push ``messages``; return message id -> destination node of each one the grid took.
+
+    Flower's grids differ on a message they refuse: the HTTP grid (Deployment Engine) keeps ``None`` in its
+    place, the in-memory grid (simulation) leaves it out, and a payload too large gives no ids at all. Both
+    set each message's id before pushing, so ids are matched, not positions; a grid that sets no id on the
+    messages must return one per message, in order. Nodes whose message was refused are logged here.
+    """
+    returned = list(grid.push_messages(messages))
+    took = {str(mid) for mid in returned if mid}
+    on_messages = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+    if took <= set(on_messages):
+        sent = {mid: node for mid, node in on_messages.items() if mid in took}
+    elif len(returned) == len(messages):
+        sent = {str(mid): m.metadata.dst_node_id for mid, m in zip(returned, messages, strict=True) if mid}
+    else:
+        raise ValueError(
+            f"the grid returned {len(returned)} ids for {len(messages)} messages and set none of them on the "
+            "messages: the replies cannot be attributed to nodes"
+        )
+    refused = sorted(set(on_messages.values()) - set(sent.values()))
+    if refused:
+        log.warning(
+            "the grid did not take %d of %d messages (to node%s %s); Flower's log may say why",
+            len(refused),
+            len(messages),
+            "s" if len(refused) > 1 else "",
+            ", ".join(map(str, refused)),
+        )
+    return sent
+
+
 def push_and_collect(
     grid: Grid,
     messages: Sequence[Message],
@@ -57,14 +89,13 @@ def push_and_collect(
     Returns
     -------
     sent : dict[str, int]
-        Message id -> destination node id, to attribute replies (error replies
-        come from the SuperLink's node id) and to name the nodes that missed the deadline.
+        Message id -> destination node id of the messages the grid took (see :func:`push`), to
+        attribute replies (error replies come from the SuperLink's node id) and to name the nodes
+        that missed the deadline.
     replies : list[Message]
         The replies received before the deadline, in arrival order.
     """
-    destinations = [m.metadata.dst_node_id for m in messages]
-    ids = [str(i) for i in grid.push_messages(messages)]
-    sent = {mid: node for mid, node in zip(ids, destinations, strict=True) if mid}
+    sent = push(grid, messages)
     if on_pushed is not None:
         on_pushed(sent)
     pending = set(sent)

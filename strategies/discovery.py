@@ -14,7 +14,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedrobust import protocol
-from fedrobust.strategies.collect import POLL_SECONDS
+from fedrobust.strategies.collect import POLL_SECONDS, push
 
 
 class Discovery:
@@ -44,8 +44,7 @@ class Discovery:
                     )
                     for n in unknown
                 ]
-                ids = [str(i) for i in self.grid.push_messages(queries)]
-                self.pending.update({mid: n for mid, n in zip(ids, unknown, strict=True) if mid})
+                self.pending.update(push(self.grid, queries))
             if self.pending:
                 for reply in self.grid.pull_messages(list(self.pending)):
                     node = self.pending.pop(reply.metadata.reply_to_message_id, None)

@@ -306,6 +306,8 @@ class RoundLoop:
             outcome.sampled = len(messages)
             answered = {r.metadata.reply_to_message_id for r in replies}
             outcome.dropped.extend(node for mid, node in sent.items() if mid not in answered)  # missed the deadline
+            pushed = set(sent.values())
+            outcome.dropped.extend(m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in pushed)
             self._record_liveness(sent, replies, server_round)
             if outcome.aggregated:
                 break

@@ -10,6 +10,7 @@ release each reply's arrays once read.
 from __future__ import annotations
 
 import inspect
+import logging
 import subprocess
 import sys
 import time
@@ -589,3 +590,50 @@ def test_the_round_reports_the_f_the_rule_ran_with_after_dedup_took_copies_out(l
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is not None and metrics["filtered"] == 1
     assert metrics["f-used"] == (F - 1 if lower_f else F)
+
+
+class _RefusingNetwork(_Network):
+    """A grid that refuses the message to node ``refused``: ``omit`` leaves its id out as Flower's
+    in-memory grid does, else it keeps ``None`` in its place as the HTTP grid does."""
+
+    def __init__(self, replies: dict[str, tuple[float, Message]], refused: int, *, omit: bool) -> None:
+        super().__init__(replies)
+        self._refused, self._omit = refused, omit
+
+    def push_messages(self, messages: list[Message]) -> list[str | None]:  # type: ignore[override]
+        ids = super().push_messages(messages)
+        kept = [None if m.metadata.dst_node_id == self._refused else mid for mid, m in zip(ids, messages, strict=True)]
+        return [mid for mid in kept if mid is not None] if self._omit else kept
+
+
+@pytest.mark.parametrize("omit", [True, False], ids=["in-memory grid", "HTTP grid"])
+def test_a_message_the_grid_refuses_costs_its_node_only(omit: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Every other reply is still attributed to its own node, the refused node is named, and the round
+    does not wait for a reply that cannot come."""
+    from fedrobust.strategies.collect import push_and_collect
+
+    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions, network = _round_with_dead_nodes(strategy, dict.fromkeys(range(N), 0.0))
+    refused = instructions[2].metadata.dst_node_id
+    refusing = _RefusingNetwork(network._replies, refused, omit=omit)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="fedrobust.strategies.collect"):
+        sent, replies = push_and_collect(refusing, instructions, timeout=5.0)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2.0
+    assert sorted(sent.values()) == sorted(m.metadata.dst_node_id for m in instructions if m is not instructions[2])
+    assert len(replies) == N - 1
+    for reply in replies:  # the reply from node i is attributed to node i
+        assert sent[reply.metadata.reply_to_message_id] == reply.metadata.src_node_id
+    assert f"did not take 1 of {N} messages (to node {refused})" in caplog.text
+
+
+def test_a_grid_whose_ids_cannot_be_matched_to_the_messages_is_refused_by_name() -> None:
+    from fedrobust.strategies.collect import push
+
+    class Shuffling:
+        def push_messages(self, messages: list[Message]) -> list[str]:
+            return ["x"]
+
+    instructions = _instructions(RobustStrategy(aggregator="median", progress=False), _global(), 3, 1)
+    with pytest.raises(ValueError, match="returned 1 ids for 3 messages"):
+        push(Shuffling(), instructions)  # type: ignore[arg-type]
