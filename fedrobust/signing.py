@@ -746,6 +746,10 @@ class TrustStore:
         """The partition ids the trusted keys are labelled with."""
         return {entry.partition_id for entry in self._entries.values() if entry.partition_id is not None}
 
+    def pinned_nodes(self) -> set[int]:
+        """The nodes that hold a first-use pin."""
+        return {entry.node_id for entry in self._entries.values() if entry.pinned_on_use and entry.node_id is not None}
+
     def release_node(self, node_id: int) -> list[str]:
         """Drop the first-use pins of a node that is gone; configured bindings stay.
 

@@ -737,6 +737,7 @@ class RobustStrategy(Strategy):
         for node_id in self.liveness.known_nodes():
             if node_id not in listed:
                 self.liveness.observe_node(node_id, online=False, reason="no longer listed by Flower")
+        self.signatures.release_gone(listed)
         return self.liveness.eligible(node_ids, server_round)
 
     def _order(self, node_ids: Iterable[int]) -> list[int]:

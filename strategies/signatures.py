@@ -9,6 +9,7 @@ round, nonce or signature is wrong is rejected with that reason before anything 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 from flwr.app import ConfigRecord
 
 from fedrobust import protocol, signing
+
+log = logging.getLogger(__name__)
 
 
 class SignatureCheck:
@@ -81,6 +84,22 @@ class SignatureCheck:
             arrays=dict(arrays),
             require_signature=self.require,
         )
+
+    def release_gone(self, listed: set[int]) -> None:
+        """Free the first-use pins of nodes Flower no longer lists, so their keys can sign again.
+
+        A restart gives nodes new ids (every simulation start; a SuperLink without ``--database``):
+        without this the keys stay pinned to ids that are gone and every device is refused with
+        ``key_bound_to_other_node``. A node that is listed, online or offline, keeps its pins, so one
+        key still never speaks for two nodes at once.
+        """
+        if self.trust is None:
+            return
+        gone = sorted(self.trust.pinned_nodes() - listed)
+        released = [key for node_id in gone for key in self.trust.release_node(node_id)]
+        if released:
+            log.info("%d signing keys pinned to nodes Flower no longer lists are free again", len(released))
+            log.debug("keys freed: %s (nodes %s)", released, gone)
 
     def state_dict(self) -> dict[str, Any]:
         """Key pins (which node first used which key), so a resumed server keeps them."""

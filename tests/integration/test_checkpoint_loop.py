@@ -230,3 +230,28 @@ def test_strategy_accepts_the_store_features() -> None:
     )
     assert (strategy.checkpoint_every, strategy.checkpoint_full_every, strategy.checkpoint_mtbf) == ("auto", 5, 3600.0)
     assert strategy.checkpoint_mirror == "s3://bucket/run" and strategy.checkpoint_storage_options == {"anon": False}
+
+
+def test_a_signed_run_resumes_when_the_nodes_come_back_with_new_ids(tmp_path: Path) -> None:
+    """Keys are pinned to the node that first used them, and the pins are in the checkpoint. A restart
+    gives the nodes new ids (every simulation start; a SuperLink without --database): the pins of the ids
+    Flower no longer lists are freed, so the resumed run accepts every device and ends with the bytes of an
+    uninterrupted run. Before, every reply was refused as key_bound_to_other_node."""
+    from experiments.inprocess import node_ids_for
+
+    signed = {"signing.require": True}
+    reference = small_config(tmp_path / "reference", num_rounds=4, **signed)
+    run_inprocess(reference, Path(reference.output_dir))
+
+    overrides = {**signed, "checkpoint.dir": str(tmp_path / "ckpt")}
+    first = small_config(tmp_path / "a", num_rounds=2, **overrides)
+    run_inprocess(first, Path(first.output_dir))
+    old_ids = node_ids_for(first.seed, first.num_clients)
+    new_ids = node_ids_for(first.seed + 1, first.num_clients)
+    assert not set(old_ids) & set(new_ids)
+    nodes = {node_id: {"partition-id": i, "num-partitions": first.num_clients} for i, node_id in enumerate(new_ids)}
+    resumed = small_config(tmp_path / "b", num_rounds=4, **overrides)
+    rows = run_inprocess(resumed, Path(resumed.output_dir), nodes=nodes)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["accepted"] == first.num_clients and not r["rejected"] for r in rows[2:]), rows[2:]
+    assert _final_bytes(resumed) == _final_bytes(reference)
