@@ -113,10 +113,6 @@ def _ordered(values: set[str], preferred: Sequence[str]) -> list[str]:
     return [v for v in preferred if v in values] + sorted(values - set(preferred))
 
 
-def _fmt(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{x:.3f}"
-
-
 def _pts(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{100 * x:+.1f}"
 

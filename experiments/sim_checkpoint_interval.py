@@ -33,7 +33,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -60,12 +60,6 @@ SCENARIOS = [
     Scenario("slow rounds, sync save to S3", round_s=30.0, checkpoint_s=5.0, mtbf_s=1800.0, restart_s=60.0),
     Scenario("default experiment, background save", round_s=0.5, checkpoint_s=0.003, mtbf_s=600.0, restart_s=10.0),
 ]
-
-
-class Policy(Protocol):
-    def observe_round(self, seconds: float) -> Any: ...
-    def observe_checkpoint(self, blocking_seconds: float, round: int | None = None) -> Any: ...
-    def due(self, round: int) -> bool: ...
 
 
 class Fixed:

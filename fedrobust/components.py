@@ -161,7 +161,7 @@ def _required_positionals(target: Callable[..., Any]) -> int | None:
     return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
 
 
-def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], path: str, protocol: str) -> Any:
+def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], protocol: str) -> Any:
     """``target(**kwargs)``, or ValueError naming the signature when the arguments do not fit it."""
     try:
         inspect.signature(target).bind(**kwargs)
@@ -246,7 +246,7 @@ def _load_user(path: str, params_json: str, seed: int) -> UserData:
     kwargs = dict(json.loads(params_json))
     if _accepts(loader, "seed") and "seed" not in kwargs:
         kwargs["seed"] = seed
-    out = _call(loader, kwargs, path, DATASET_PROTOCOL)
+    out = _call(loader, kwargs, DATASET_PROTOCOL)
     if not isinstance(out, tuple | list) or len(out) != 2:
         raise ValueError(f"{describe(loader)} returned a {type(out).__name__}; expected (train, test)")
     train, test = _as_tensors(out[0], "training"), _as_tensors(out[1], "test")
@@ -352,7 +352,7 @@ def build_model(model: ModelConfig, spec: data.DatasetSpec) -> nn.Module:
     for name, value in (("input_shape", tuple(spec.input_shape)), ("num_classes", spec.num_classes)):
         if name not in kwargs and _accepts(factory, name):
             kwargs[name] = value
-    net = _call(factory, kwargs, model._target_, MODEL_PROTOCOL)
+    net = _call(factory, kwargs, MODEL_PROTOCOL)
     if not isinstance(net, nn.Module):
         raise ValueError(f"{describe(factory)} returned a {type(net).__name__}; expected a torch.nn.Module")
     return net
@@ -498,7 +498,7 @@ def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any
     kwargs = dict(params)
     if _accepts(factory, "f"):
         kwargs["f"] = f
-    impl = _call(factory, kwargs, label, RULE_PROTOCOL)
+    impl = _call(factory, kwargs, RULE_PROTOCOL)
     if isinstance(impl, Rule):
         return impl
     if not callable(impl):

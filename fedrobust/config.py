@@ -16,8 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-SERVER_OPTIMIZERS = ("fedavg", "fedavgm", "fedadam", "fedyogi")
-AMP_MODES = ("none", "bf16", "fp16")
 RESUME_MODES = ("auto", "never")
 # checkpoint.every_rounds takes an integer or this keyword (adaptive Young/Daly interval).
 CHECKPOINT_INTERVAL_AUTO = "auto"

@@ -15,7 +15,6 @@ INFO = "info"  # client -> server: answer to the hello query
 # Fields.
 SERVER_ROUND = "server-round"  # as Flower's strategies name it
 NONCE = "nonce"
-RUN_ID = "run-id"
 NUM_EXAMPLES = "num-examples"
 PARTITION_ID = "partition-id"
 KEY_ID = "key-id"

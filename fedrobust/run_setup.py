@@ -19,7 +19,6 @@ import torch
 
 from fedrobust import aggregators, attacks, components, data, models
 from fedrobust.config import (
-    AMP_MODES,
     CHECKPOINT_INTERVAL_AUTO,
     RESUME_MODES,
     CheckpointConfig,
@@ -30,7 +29,7 @@ from fedrobust.config import (
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import SCHEDULES as SERVER_LR_SCHEDULES
 from fedrobust.server_optim import ServerOptimizer
-from fedrobust.training import pick_device
+from fedrobust.training import AMP_MODES, pick_device
 
 
 def _problem(problems: list[str], key: str, value: Any, allowed: str) -> None:

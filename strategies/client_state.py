@@ -28,7 +28,6 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 CLIENT_STATE = "fedrobust.client-state"
 _PREFIX = CLIENT_STATE + "/"
-TENSOR_GROUP = "clients"
 
 
 def put_state(content: RecordDict, state: RecordDict) -> None:

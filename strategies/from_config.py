@@ -81,9 +81,9 @@ def strategy_from_config(
         checkpoint_every=cfg.checkpoint.every_rounds,
         checkpoint_every_seconds=cfg.checkpoint.every_seconds,
         checkpoint_keep=cfg.checkpoint.keep,
+        # The config carries no secrets: S3 endpoint and credentials come from the environment (AWS_*).
         checkpoint_mirror=cfg.checkpoint.mirror or None,
         checkpoint_full_every=cfg.checkpoint.full_every,
-        # The config carries no secrets: S3 endpoint and credentials come from the environment (AWS_*).
         checkpoint_mtbf=cfg.checkpoint.mtbf or None,
         resume=cfg.checkpoint.resume,
         force_resume=cfg.checkpoint.force_resume,

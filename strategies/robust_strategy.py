@@ -34,7 +34,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedrobust import aggregators, memory, protocol
-from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, AggregatorConfig, LivenessConfig
+from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, AggregatorConfig, LivenessConfig
 from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
@@ -51,7 +51,6 @@ from fedrobust.validation import Rejection, check_num_examples
 log = logging.getLogger(__name__)
 
 DUPLICATE_REPLY = "duplicate_reply"
-RESUME_MODES = ("auto", "never")
 
 
 @dataclass
@@ -373,6 +372,10 @@ class RobustStrategy(Strategy):
     signing : TrustStore, str or PathLike, optional
         Verify reply signatures against this trust store (or the directory holding one);
         ``require_signatures`` refuses unsigned replies. Without it signatures are not checked.
+    require_signatures : bool
+        With ``signing``: refuse a reply that carries no signature (default). False accepts unsigned
+        replies from nodes that hold no key, while a signed reply is still verified. No effect without
+        ``signing``.
     seed : int
         Seeds sampling, so the same seed samples the same nodes.
     discover_partitions : bool
@@ -779,8 +782,6 @@ class RobustStrategy(Strategy):
             memory.return_large_frees_to_os()
         self._remember_global(server_round, arrays)
         self.run_id = grid.run.run_id
-        if self.fraction_train == 0.0:
-            return []
         nodes = self.sample(server_round, self.refresh_liveness(grid, server_round), attempt)
         self._reserve_rows(len(nodes))
         return [self._message(node, server_round, arrays, config, MessageType.TRAIN) for node in nodes]

@@ -145,7 +145,9 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         while not next_checkpoint.is_dir():
             assert fourth.alive() and time.monotonic() < deadline, fourth.tail()
             time.sleep(0.01)
-        time.sleep(random.uniform(0.0, 1.5))
+        delay = random.uniform(0.0, 1.5)
+        print(f"kill -9 {delay:.3f} s after the checkpoint of round {stopped_at + 1}")  # shown if the test fails
+        time.sleep(delay)
         kill_tree(fourth)
         assert finish(fourth) == -signal.SIGKILL
         kept = rounds_on_disk(ckpt)
