@@ -342,7 +342,8 @@ class RobustStrategy(Strategy):
         When a node is suspected, dead or quarantined (``fedrobust.config.LivenessConfig``).
     divergence_factor, lr_decay : float
         Roll back a round whose evaluation loss exceeds ``divergence_factor`` times the best so
-        far (0: only a non-finite model is rolled back) and multiply the server lr by ``lr_decay``.
+        far (a best below 0.01 counts as 0.01, so a model that fits its data is not rolled back for
+        noise; 0: only a non-finite model is rolled back) and multiply the server lr by ``lr_decay``.
     checkpoint_dir : str or PathLike, optional
         Local path or fsspec URL for round checkpoints; a second ``start()`` on the same
         directory resumes after the last checkpointed round.

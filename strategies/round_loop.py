@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The divergence guard's best loss counts as at least this (see RoundLoop._diverged).
+DIVERGENCE_LOSS_FLOOR = 0.01
+
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
 
@@ -185,7 +188,11 @@ class RoundLoop:
                 self._roll_back(server_round, row)
                 rollbacks_this_round += 1
                 if rollbacks_this_round > s.max_round_retries:
-                    raise QuorumError(f"round {server_round}: the model diverged {rollbacks_this_round} times")
+                    raise QuorumError(
+                        f"round {server_round}: the model diverged {rollbacks_this_round} times (loss above "
+                        f"divergence_factor={s.divergence_factor:g} x the best; 0 turns the loss test off, "
+                        "guard.divergence_factor in the run config)"
+                    )
                 continue  # the same round again, from the state before it, with a lower server lr
             rollbacks_this_round = 0
             arrays = new_arrays
@@ -419,7 +426,11 @@ class RoundLoop:
         if not math.isfinite(loss):
             return True
         factor = self.strategy.divergence_factor
-        return factor > 0 and math.isfinite(self.guard.best_loss) and loss > factor * self.guard.best_loss
+        if factor <= 0 or not math.isfinite(self.guard.best_loss):
+            return False
+        # A model that fits its data has a best loss near 0, and factor x best then trips on noise (1e-6 to
+        # 5e-5 is "50 times" but nothing happened): the best counts as at least DIVERGENCE_LOSS_FLOOR.
+        return loss > factor * max(self.guard.best_loss, DIVERGENCE_LOSS_FLOOR)
 
     def _roll_back(self, server_round: int, row: dict[str, Any]) -> None:
         """Count the rollback and lower the server learning rate (the state was restored by the caller)."""

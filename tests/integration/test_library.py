@@ -635,3 +635,32 @@ def test_installed_names_live_under_fedrobust_only(tmp_path: Path) -> None:
     assert {t for t in tops if not t.endswith(".dist-info")} == {"fedrobust"}, tops
     names = zipfile.ZipFile(wheel).namelist()
     assert "fedrobust/strategies/robust_strategy.py" in names and "fedrobust/clients/signing_mod.py" in names
+
+
+def test_a_model_that_fits_its_data_is_not_rolled_back_for_noise_but_an_explosion_is() -> None:
+    """Losses of 1e-6 then 5e-5 (a model that fits its data) are no divergence, though 50 times the best;
+    a loss of 5.0 after them is, and the round runs again from the state before it."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    losses = iter([2.0, 1e-6, 5e-5, 5.0, 4e-5])  # rounds 0, 1, 2, 3 and 3's second attempt
+
+    def scripted_loss(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        return MetricRecord({"loss": next(losses), "accuracy": 1.0})
+
+    honest = ClientApp()
+
+    @honest.train()
+    def _train(msg: Message, context: Context) -> Message:
+        context.node_config["partition-id"] = int(context.node_config["partition-id"]) + 3
+        return train(msg, context)
+
+    grid = InProcessGrid(honest, 4, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=3,
+                                evaluate_fn=scripted_loss)
+    rows = result.evaluate_metrics_serverapp
+    # The rollback halves the server lr (lr_decay) and round 3 is the second attempt's.
+    assert [rows[r]["server_lr"] for r in (1, 2, 3)] == [1.0, 1.0, 0.5]
+    assert [rows[r]["loss"] for r in (1, 2, 3)] == [1e-6, 5e-5, 4e-5]
+    assert next(losses, None) is None  # round 3 was evaluated twice
