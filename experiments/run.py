@@ -214,7 +214,7 @@ def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    from fedrobust.strategies.errors import EXIT_PREEMPTED, Preempted, QuorumError
+    from fedrobust.strategies.errors import EXIT_PREEMPTED, AggregationError, Preempted, QuorumError
 
     run_cfg = checked_run_config(cfg)
     # Imported once the config is known to be good: Ray and Flower take seconds to import.
@@ -243,8 +243,10 @@ def main(cfg: DictConfig) -> float:
         sys.exit(EXIT_PREEMPTED)
     # QuorumError: also NoNodesError and ClientFailureError, nothing (more) could be trained. The
     # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies). A Hub data set
-    # that could not be read (offline, no local copy).
-    except (QuorumError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError) as failed:
+    # that could not be read (offline, no local copy). A rule that raised on a round's replies.
+    except (
+        QuorumError, AggregationError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError
+    ) as failed:
         if _full_error():
             raise
         _exit_failed(failed)

@@ -35,6 +35,7 @@ _EXPORTS = {
     "RoundOutcome": "fedrobust.strategies.robust_strategy",
     "RoundIntake": "fedrobust.strategies.robust_strategy",
     "QuorumError": "fedrobust.strategies.errors",
+    "AggregationError": "fedrobust.strategies.errors",
     "ClientFailureError": "fedrobust.strategies.errors",
     "NoNodesError": "fedrobust.strategies.errors",
     "Preempted": "fedrobust.strategies.errors",
@@ -47,6 +48,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AggregationError",
     "CheckpointStore",
     "ClientFailureError",
     "EXIT_PREEMPTED",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from fedrobust.signing import TrustStore
     from fedrobust.strategies.errors import (
         EXIT_PREEMPTED,
+        AggregationError,
         ClientFailureError,
         NoNodesError,
         Preempted,

@@ -16,6 +16,7 @@ _EXPORTS = {
     "RoundIntake": "robust_strategy",
     "strategy_from_config": "from_config",
     "QuorumError": "errors",
+    "AggregationError": "errors",
     "ClientFailureError": "errors",
     "NoNodesError": "errors",
     "Preempted": "errors",
@@ -24,6 +25,7 @@ _EXPORTS = {
 
 __all__ = [
     "EXIT_PREEMPTED",
+    "AggregationError",
     "ClientFailureError",
     "NoNodesError",
     "Preempted",
@@ -35,7 +37,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from fedrobust.strategies.errors import EXIT_PREEMPTED, ClientFailureError, NoNodesError, Preempted, QuorumError
+    from fedrobust.strategies.errors import (
+        EXIT_PREEMPTED,
+        AggregationError,
+        ClientFailureError,
+        NoNodesError,
+        Preempted,
+        QuorumError,
+    )
     from fedrobust.strategies.from_config import strategy_from_config
     from fedrobust.strategies.robust_strategy import RobustStrategy, RoundIntake, RoundOutcome
 

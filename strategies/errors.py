@@ -19,6 +19,11 @@ class NoNodesError(QuorumError):
     """Not enough nodes connected within the wait: nothing could be trained."""
 
 
+class AggregationError(RuntimeError):
+    """The aggregation rule raised on a round's valid replies (a rule's bug, e.g. a user rule's): the
+    message names the rule, the round and the error; the cause is the rule's own exception."""
+
+
 class Preempted(RuntimeError):
     """The run was asked to stop (SIGTERM/SIGINT).
 

@@ -41,6 +41,7 @@ from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import SCHEDULES as LR_SCHEDULES
 from fedrobust.server_optim import ServerOptimizer, lr_factor
 from fedrobust.signing import TrustStore
+from fedrobust.strategies.errors import AggregationError
 from fedrobust.strategies.replies import parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.tensors import flatten
@@ -896,7 +897,7 @@ class RobustStrategy(Strategy):
         try:
             aggregate = self._call_rule(rule, rows, weights, self._client_ids(outcome.accepted)).to("cpu")
         except Exception as err:  # a user's rule raising: say which rule, in which round, on how many rows
-            raise RuntimeError(
+            raise AggregationError(
                 f"round {server_round}: aggregator {rule.label} failed on {len(accepted)} replies: "
                 f"{type(err).__name__}: {err}"
             ) from err

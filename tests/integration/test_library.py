@@ -24,7 +24,7 @@ from flwr.simulation import run_simulation
 from sklearn.datasets import load_digits
 from torch import nn
 
-from fedrobust import NoNodesError, QuorumError, RobustStrategy
+from fedrobust import AggregationError, NoNodesError, QuorumError, RobustStrategy
 from fedrobust.checkpoint import CheckpointMismatchError
 from tests.support.simulation import ray_backend
 
@@ -277,8 +277,8 @@ def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence()
                                           r"returned 2410 non-finite values of 2410 from 4 finite replies\)"):
         _start_on_honest_nodes(strategy, 4)
     strategy = RobustStrategy(aggregator=raises_on_four, num_byzantine=1, progress=False)
-    with pytest.raises(RuntimeError, match=r"^round 1: aggregator .*raises_on_four failed on 4 replies: IndexError: "
-                                           r"index 4 is out of bounds$"):
+    with pytest.raises(AggregationError, match=r"^round 1: aggregator .*raises_on_four failed on 4 replies: "
+                                               r"IndexError: index 4 is out of bounds$"):
         _start_on_honest_nodes(strategy, 4)
 
 

@@ -387,9 +387,11 @@ def _raising_engine(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
         "fedrobust.checkpoint.CheckpointMismatchError: checkpoint ck/round-000003 (round 3) was saved with other "
         "settings: run.client.lr: 0.3 -> 0.2.",
         "fedrobust.strategies.checkpointing.NoValidCheckpointError: no checkpoint in ck verifies (rounds [1, 2])",
+        "fedrobust.strategies.errors.AggregationError: round 3: aggregator my_rules.Rule failed on 5 replies: "
+        "RuntimeError: boom",
     ],
 )
-def test_refused_resume_exits_1_with_one_line(error: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_refused_resume_or_a_failing_rule_exits_1_with_one_line(error: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import importlib
 
     where, message = error.split(": ", 1)
