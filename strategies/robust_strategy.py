@@ -47,7 +47,7 @@ from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.tensors import flatten
 from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
-from fedrobust.validation import Rejection, check_num_examples
+from fedrobust.validation import BAD_NUM_EXAMPLES, NORM_TOO_LARGE, Rejection, check_num_examples
 
 log = logging.getLogger(__name__)
 
@@ -1309,7 +1309,16 @@ def _rejections_text(outcome: RoundOutcome, shown: int = 3) -> str:
     for entry in outcome.rejected_nodes:
         detail.setdefault(entry["reason"], entry["detail"])
     parts = "; ".join(f"{n}x {reason} ({detail[reason]})" for reason, n in outcome.rejected.most_common(shown))
-    return f"; rejected {sum(outcome.rejected.values())}: {parts}"
+    # A bound set too low for the model rejects honest nodes too: name the setting that moves it.
+    bounds = [_BOUND_SETTINGS[r] for r, _ in outcome.rejected.most_common(shown) if r in _BOUND_SETTINGS]
+    hint = f" (if these nodes are honest, raise the bound: {'; '.join(bounds)})" if bounds else ""
+    return f"; rejected {sum(outcome.rejected.values())}: {parts}{hint}"
+
+
+_BOUND_SETTINGS = {
+    NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config",
+    BAD_NUM_EXAMPLES: "max_num_examples, validation.max_num_examples in the run config",
+}
 
 
 def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float]:

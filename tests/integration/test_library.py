@@ -664,3 +664,12 @@ def test_a_model_that_fits_its_data_is_not_rolled_back_for_noise_but_an_explosio
     assert [rows[r]["server_lr"] for r in (1, 2, 3)] == [1.0, 1.0, 0.5]
     assert [rows[r]["loss"] for r in (1, 2, 3)] == [1e-6, 5e-5, 4e-5]
     assert next(losses, None) is None  # round 3 was evaluated twice
+
+
+def test_a_norm_bound_too_low_for_the_model_names_the_setting_that_moves_it() -> None:
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_update_norm=1e-6, max_round_retries=0,
+                              progress=False)
+    with pytest.raises(QuorumError, match=r"rejected 4: 4x norm_too_large \(L2 norm \S+ > bound 1e-06\) \(if these "
+                                          r"nodes are honest, raise the bound: max_update_norm, "
+                                          r"validation.max_update_norm in the run config\)"):
+        _start_on_honest_nodes(strategy, 4)
