@@ -876,9 +876,11 @@ class RobustStrategy(Strategy):
                 f"{len(accepted)} valid replies, {rule.label} with f={f_used}{lowered} needs at least {need}"
             )
             if outcome.sampled < need:  # no retry can help while so few nodes are there to ask
+                fits = self._largest_f_for(outcome.sampled, f_used)
                 outcome.why_not_aggregated += (
                     f"; only {outcome.sampled} nodes could be asked: connect more (a local simulation: its "
                     f"federation's num-supernodes; a deployment: see flwr supernode ls) or lower num_byzantine"
+                    + (f" (with {outcome.sampled} nodes, at most {fits})" if fits is not None else "")
                 )
             outcome.why_not_aggregated += _rejections_text(outcome)
             return outcome
@@ -986,6 +988,15 @@ class RobustStrategy(Strategy):
                 return self.aggregator  # a user-built aggregator keeps its own f
             self._rules[f] = aggregators.build(rule, f=f, pre=pre, **params)
         return self._rules[f]
+
+    def _largest_f_for(self, n: int, below: int) -> int | None:
+        """The largest f under ``below`` whose pipeline takes ``n`` rows; None for a user-built aggregator or
+        when not even f=0 does."""
+        rule, pre, params = self._rule_spec
+        if not isinstance(rule, str):
+            return None
+        fits = (f for f in range(below - 1, -1, -1) if aggregators.build(rule, f=f, pre=pre, **params).min_n() <= n)
+        return next(fits, None)
 
     def _client_ids(self, nodes: list[int]) -> list[int]:
         """The stable id of each node's client for stages that remember clients: its partition where every

@@ -60,9 +60,17 @@ def split_pipeline(name: str) -> tuple[list[str], str]:
     return pre, rule
 
 
-def _lookup(registry: Mapping[str, type[Component]], name: object, kind: str) -> type[Component]:
+# The other ways to name a rule, for the error of an unknown name.
+_OTHER_RULE_FORMS = (
+    f"; or pre-aggregators and then a rule joined with {PIPELINE_SEPARATOR!r} (e.g. 'winsorize+nnm+trimmed_mean'; "
+    "pre-aggregators: fedrobust.aggregators.pre_names()); or your own rule: a callable or a dotted path "
+    "('my_pkg.rules.my_rule')"
+)
+
+
+def _lookup(registry: Mapping[str, type[Component]], name: object, kind: str, more: str = "") -> type[Component]:
     if not isinstance(name, str) or name not in registry:
-        raise ValueError(f"unknown {kind} {name!r}; valid names: {', '.join(registry)}")
+        raise ValueError(f"unknown {kind} {name!r}; valid names: {', '.join(registry)}{more}")
     return registry[name]
 
 
@@ -137,7 +145,7 @@ def build(
             )
         return build(rule_name, f, pre=named_pre, **params)
     if isinstance(name, str) and (name in _RULES or not any(sep in name for sep in ".:")):
-        rule = _construct(_lookup(_RULES, name, "aggregation rule"), f, params)
+        rule = _construct(_lookup(_RULES, name, "aggregation rule", _OTHER_RULE_FORMS), f, params)
         return Aggregator(rule, build_pre(pre, f))  # type: ignore[arg-type]
     from fedrobust.components import check_rule, user_rule  # a user's rule: imported on demand
 

@@ -249,8 +249,13 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
     strategy = RobustStrategy(num_byzantine=1, max_round_retries=2, progress=False)
     with pytest.raises(QuorumError, match=r"round 1: not aggregated after 1 attempt \(2 valid replies, .* needs at "
                                           r"least 3; only 2 nodes could be asked: connect more .*num-supernodes; a "
-                                          r"deployment: see flwr supernode ls\) or lower num_byzantine\)$"):
+                                          r"deployment: see flwr supernode ls\) or lower num_byzantine \(with 2 "
+                                          r"nodes, at most 0\)\)$"):
         _start_on_honest_nodes(strategy, 2)
+    # The trimmed mean with f=3 needs 7 replies; with 5 nodes f=2 fits (2f+1 = 5).
+    strategy = RobustStrategy(aggregator="trimmed_mean", num_byzantine=3, progress=False)
+    with pytest.raises(QuorumError, match=r"or lower num_byzantine \(with 5 nodes, at most 2\)\)$"):
+        _start_on_honest_nodes(strategy, 5)
 
 
 def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so() -> None:

@@ -260,7 +260,8 @@ def test_non_finite_half_and_double_input_raises(pipeline, dtype):
 
 
 def test_unknown_names_and_parameters_list_the_valid_ones():
-    with pytest.raises(ValueError, match=r"valid names: mean, median, trimmed_mean"):
+    with pytest.raises(ValueError, match=r"valid names: mean, median, trimmed_mean.*; or pre-aggregators and then a "
+                                         r"rule joined with '\+'.*; or your own rule: a callable or a dotted path"):
         aggregators.build("medain")
     with pytest.raises(ValueError, match="valid names: nnm, bucketing, clipping, arc"):
         aggregators.build("mean", pre=["nmm"])

@@ -391,7 +391,9 @@ def _raising_engine(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
         "RuntimeError: boom",
     ],
 )
-def test_refused_resume_or_a_failing_rule_exits_1_with_one_line(error: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_refused_resume_or_a_failing_rule_exits_1_with_one_line(
+    error: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import importlib
 
     where, message = error.split(": ", 1)
