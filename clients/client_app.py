@@ -33,6 +33,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedrobust import protocol, signing
+from fedrobust.clients.partition_query import partition_reply
 from fedrobust.clients.signing_mod import node_config_key, signing_mod
 from fedrobust.config import RunConfig, from_flat
 
@@ -166,9 +167,8 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
     def hello(msg: Message, context: Context) -> Message:
         """Tell the server which partition this node holds (node ids are random per run); nothing when it has none."""
         if protocol.PARTITION_ID not in context.node_config:
-            return Message(RecordDict({protocol.INFO: ConfigRecord({})}), reply_to=msg)
-        pid, _ = _partition(settings(context), context)
-        return Message(RecordDict({protocol.INFO: ConfigRecord({protocol.PARTITION_ID: pid})}), reply_to=msg)
+            return partition_reply(msg, None)
+        return partition_reply(msg, _partition(settings(context), context)[0])
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -42,6 +42,7 @@ _EXPORTS = {
     "EXIT_PREEMPTED": "fedrobust.strategies.errors",
     "strategy_from_config": "fedrobust.strategies.from_config",
     "signing_mod": "fedrobust.clients.signing_mod",
+    "partition_query": "fedrobust.clients.partition_query",
     "CheckpointStore": "fedrobust.checkpoint",
     "TrustStore": "fedrobust.signing",
     "RunConfig": "fedrobust.config",
@@ -62,6 +63,7 @@ __all__ = [
     "TrustStore",
     "aggregators",
     "attacks",
+    "partition_query",
     "signing_mod",
     "strategy_from_config",
 ]
@@ -69,6 +71,7 @@ __all__ = [
 if TYPE_CHECKING:
     from fedrobust import aggregators, attacks
     from fedrobust.checkpoint import CheckpointStore
+    from fedrobust.clients.partition_query import partition_query
     from fedrobust.clients.signing_mod import signing_mod
     from fedrobust.config import RunConfig
     from fedrobust.signing import TrustStore

@@ -266,8 +266,8 @@ class RoundLoop:
                     f"{connected} nodes connected, but only {have} of the {need} needed (min_available_nodes) "
                     f"answered the partition query within {s.wait_for_nodes:g} s; nothing was trained. "
                     "discover_partitions=True asks each node's ClientApp for its partition-id with a query "
-                    "message: give the ClientApp a @app.query() handler (fedrobust's has one), or pass "
-                    "discover_partitions=False"
+                    "message: give the ClientApp a query handler, e.g. app.query()(fedrobust.partition_query) "
+                    "(fedrobust's own ClientApp has one), or pass discover_partitions=False"
                 )
             if time.monotonic() >= deadline:
                 raise NoNodesError(

@@ -261,7 +261,8 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
 def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so() -> None:
     strategy = RobustStrategy(num_byzantine=1, discover_partitions=True, wait_for_nodes=0.5, progress=False)
     with pytest.raises(NoNodesError, match=r"^5 nodes connected, but only 0 of the 2 needed \(min_available_nodes\) "
-                                           r"answered the partition query within 0.5 s; .*@app.query\(\) handler"):
+                                           r"answered the partition query within 0.5 s; .*"
+                                           r"app.query\(\)\(fedrobust.partition_query\)"):
         _start_on_honest_nodes(strategy, 5)  # its ClientApp has @app.train() only
 
 
@@ -678,3 +679,26 @@ def test_a_norm_bound_too_low_for_the_model_names_the_setting_that_moves_it() ->
                                           r"nodes are honest, raise the bound: max_update_norm, "
                                           r"validation.max_update_norm in the run config\)"):
         _start_on_honest_nodes(strategy, 4)
+
+
+def test_partition_query_makes_a_user_app_give_the_same_bytes_whatever_its_node_ids() -> None:
+    """Rows are ordered by partition once the nodes answer the partition query, so two runs whose nodes
+    have other ids (two simulations) end with the same model bytes; the user's ClientApp gets one line."""
+    from experiments.inprocess import InProcessGrid, _server_identity, node_ids_for
+    from fedrobust import partition_query
+
+    app = ClientApp()
+    app.train()(train)
+    app.query()(partition_query)
+
+    def final_bytes(node_seed: int) -> bytes:
+        ids = node_ids_for(node_seed, 6)
+        nodes = {node_id: {"partition-id": i + 3, "num-partitions": 9} for i, node_id in enumerate(ids)}
+        grid = InProcessGrid(app, 6, seed=0, nodes=nodes)
+        strategy = RobustStrategy(num_byzantine=1, discover_partitions=True, min_available_nodes=6, progress=False)
+        with _server_identity(grid.run.run_id):
+            result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=2)
+        assert strategy.partitions == {node_id: i + 3 for i, node_id in enumerate(ids)}
+        return b"".join(a.numpy().tobytes() for a in result.arrays.values())
+
+    assert final_bytes(1) == final_bytes(2)
