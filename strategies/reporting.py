@@ -57,8 +57,9 @@ class MetricsLog:
         if self.echo and not _logged_to_console(log):
             print(line, flush=True)
 
-    def finish(self, seconds: float) -> None:
-        for line in summary_text(self.rows, seconds).splitlines():
+    def finish(self, seconds: float, first_round: int = 1) -> None:
+        """The run's summary; ``first_round`` > 1: this process resumed and trained from that round."""
+        for line in summary_text(self.rows, seconds, first_round).splitlines():
             self.say(line)
 
 
@@ -140,7 +141,8 @@ def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
     return "left out in most rounds: " + ", ".join(names[:listed]) + more
 
 
-def summary_text(rows: list[dict[str, Any]], seconds: float) -> str:
+def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 1) -> str:
+    """The summary of the whole run (rows restored by a resume included); ``seconds`` is this process's."""
     if not rows:
         return "no round completed"
     last = rows[-1]
@@ -148,7 +150,13 @@ def summary_text(rows: list[dict[str, Any]], seconds: float) -> str:
     for r in rows:
         for k, v in r.get("rejected", {}).items():
             rejected[k] = rejected.get(k, 0) + v
-    lines = ["=" * 72, f"finished {last['round']} rounds in {seconds:.1f} s"]
+    if first_round > 1:  # a resume: the totals below are the whole run's, the time this process's
+        trained = max(0, last["round"] - first_round + 1)
+        head = (f"finished {last['round']} rounds: rounds 1-{first_round - 1} before the resume, "
+                f"{trained} in this process in {seconds:.1f} s")
+    else:
+        head = f"finished {last['round']} rounds in {seconds:.1f} s"
+    lines = ["=" * 72, head]
     if isinstance(last.get("accuracy"), int | float):
         scored = [r for r in rows if isinstance(r.get("accuracy"), int | float) and math.isfinite(r["accuracy"])]
         best = max(scored, key=lambda r: r["accuracy"]) if scored else last

@@ -157,7 +157,7 @@ class RoundLoop:
         finally:
             self.checkpointer.close()
         self.result.arrays = arrays
-        self.metrics.finish(time.perf_counter() - started)
+        self.metrics.finish(time.perf_counter() - started, first_round)
         return self.result
 
     def _rounds(self, arrays: ArrayRecord, first_round: int) -> ArrayRecord:

@@ -232,7 +232,9 @@ def test_strategy_accepts_the_store_features() -> None:
     assert strategy.checkpoint_mirror == "s3://bucket/run" and strategy.checkpoint_storage_options == {"anon": False}
 
 
-def test_a_signed_run_resumes_when_the_nodes_come_back_with_new_ids(tmp_path: Path) -> None:
+def test_a_signed_run_resumes_when_the_nodes_come_back_with_new_ids(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Keys are pinned to the node that first used them, and the pins are in the checkpoint. A restart
     gives the nodes new ids (every simulation start; a SuperLink without --database): the pins of the ids
     Flower no longer lists are freed, so the resumed run accepts every device and ends with the bytes of an
@@ -251,7 +253,12 @@ def test_a_signed_run_resumes_when_the_nodes_come_back_with_new_ids(tmp_path: Pa
     assert not set(old_ids) & set(new_ids)
     nodes = {node_id: {"partition-id": i, "num-partitions": first.num_clients} for i, node_id in enumerate(new_ids)}
     resumed = small_config(tmp_path / "b", num_rounds=4, **overrides)
-    rows = run_inprocess(resumed, Path(resumed.output_dir), nodes=nodes)
+    with caplog.at_level(logging.INFO, logger="fedrobust.strategies.reporting"):
+        rows = run_inprocess(resumed, Path(resumed.output_dir), nodes=nodes)
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert all(r["accepted"] == first.num_clients and not r["rejected"] for r in rows[2:]), rows[2:]
+    # The summary's totals are the whole run's; it says which rounds this process trained.
+    assert any(m.startswith("finished 4 rounds: rounds 1-2 before the resume, 2 in this process in ")
+               for m in caplog.messages), caplog.messages
+    assert f"replies accepted {4 * first.num_clients}, rejected 0" in caplog.text
     assert _final_bytes(resumed) == _final_bytes(reference)
