@@ -811,7 +811,10 @@ class TrustStore:
         directory = Path(directory)
         binding = directory / TRUST_FILE
         if not binding.is_file():
-            raise ValueError(f"trust store {directory}: no {TRUST_FILE} binding file")
+            # python -m fedrobust.keygen --out D writes the trust store to D/trust, beside the private keys.
+            inside = directory / "trust" / TRUST_FILE
+            hint = f" (python -m fedrobust.keygen wrote one to {inside.parent}: pass that)" if inside.is_file() else ""
+            raise ValueError(f"trust store {directory}: no {TRUST_FILE} binding file{hint}")
         try:
             document = json.loads(binding.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+import re
 import stat
 import subprocess
 import sys
@@ -690,6 +691,10 @@ def test_keygen_adds_a_device_and_replaces_a_leaked_key_keeping_the_others(tmp_p
         assert store.partition_id(kid) == index
     assert keygen.main(["--out", str(out), "--clients", "4", "--add"]) == 0  # nothing missing: nothing written
     assert TrustStore.load(out / "trust").partitions() == {0, 1, 2, 3}
+    # The keygen output folder itself is not the trust store: the error points to its trust/ folder.
+    with pytest.raises(ValueError, match=rf"no trust.json binding file \(python -m fedrobust.keygen wrote one to "
+                                         rf"{re.escape(str(out / 'trust'))}: pass that\)"):
+        TrustStore.load(out)
 
 
 @pytest.mark.parametrize(
