@@ -138,6 +138,25 @@ class LivenessTracker:
             logger.info("node %d %s: marked dead", node_id, reason)
             self._kill(node, self._round)
 
+    def observe_listed(self, listed: Iterable[int]) -> list[int]:
+        """The nodes Flower's node list holds now: every known node not among them is offline (unregistered,
+        or an id from before a restart that gave the nodes new ids); returns those newly marked dead.
+
+        One log line for them all: a resumed simulation of 100 nodes would otherwise log 100.
+        """
+        present = set(listed)
+        gone = [n for n, node in sorted(self._nodes.items()) if n not in present and not node.offline]
+        for node_id in gone:
+            node = self._nodes[node_id]
+            node.offline = True
+            if node.status != "dead":
+                self._kill(node, self._round)
+        if gone:
+            shown = ", ".join(map(str, gone[:3])) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+            logger.info("%s no longer listed by Flower: marked dead", f"node {shown}" if len(gone) == 1 else
+                        f"{len(gone)} nodes ({shown})")
+        return gone
+
     def record_reply(self, node_id: int, round: int, *, ok: bool = True, now: float | None = None) -> None:
         """Record a reply that arrived in time.
 

@@ -739,9 +739,7 @@ class RobustStrategy(Strategy):
         # A node Flower no longer lists is offline too: unregistered, or one from before a restart that gave
         # the nodes new ids (a resumed simulation). Otherwise it would be reported alive for ever.
         listed = set(node_ids)
-        for node_id in self.liveness.known_nodes():
-            if node_id not in listed:
-                self.liveness.observe_node(node_id, online=False, reason="no longer listed by Flower")
+        self.liveness.observe_listed(listed)
         self.signatures.release_gone(listed)
         return self.liveness.eligible(node_ids, server_round)
 
