@@ -562,15 +562,21 @@ class CheckpointStore:
         if os.path.lexists(tmp):
             shutil.rmtree(tmp)
         os.mkdir(tmp)
-        for fname, data in files:
-            part = os.path.join(tmp, f".{fname}.part")
-            with open(part, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(part, os.path.join(tmp, fname))
-        _fsync_dir(tmp)
-        os.replace(tmp, self._join(name))
+        try:
+            for fname, data in files:
+                part = os.path.join(tmp, f".{fname}.part")
+                with open(part, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(part, os.path.join(tmp, fname))
+            _fsync_dir(tmp)
+            os.replace(tmp, self._join(name))
+        except BaseException:
+            # A full disk: the half-written files would keep it full for every later write (the leftover
+            # sweep spares the directories of a live process). Nothing of this write is kept.
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         _fsync_dir(self._root)
 
     def _prune(self, newest: int) -> None:
@@ -908,7 +914,9 @@ def _pid_alive(pid: int) -> bool:
 
 def _log_failure(future: Future[str]) -> None:
     exc = future.exception()
-    if exc is not None:
+    if isinstance(exc, OSError):  # the disk's or the store's answer (full, gone, refused): the reason is enough
+        logger.error("background checkpoint write failed: %s", exc)
+    elif exc is not None:
         logger.error("background checkpoint write failed", exc_info=exc)
 
 

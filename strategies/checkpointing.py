@@ -226,7 +226,11 @@ class RoundCheckpointer:
             self._last_time = time.monotonic()
             self.last_round = server_round
         if wait:
-            self.store.wait()
+            try:
+                self.store.wait()
+            except Exception as err:  # a stop must still say how far its checkpoints got
+                log.error("the checkpoint of round %d could not be written: %s", server_round, _reason(err))
+                return False
         return True
 
     def restore(self, model: Mapping[str, Any] | None = None) -> ResumePoint | None:
@@ -308,8 +312,25 @@ class RoundCheckpointer:
         )
 
     def close(self) -> None:
-        if self.store is not None:
+        """Flush the last write. Its failure (a full disk) is logged, not raised: the run's model is intact in
+        memory, and the caller still writes it; only a resume would start from an older round."""
+        if self.store is None:
+            return
+        try:
             self.store.close()
+        except Exception as err:
+            try:
+                newest = max(self.store.rounds(), default=None)
+            except Exception:  # the store may be unreadable too
+                newest = None
+            log.error(
+                "the last checkpoint could not be written (%s); a resume would start %s",
+                _reason(err), "from scratch" if newest is None else f"after round {newest}",
+            )
+
+
+def _reason(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if not isinstance(err, OSError) else str(err)
 
 
 def _check_writable(url: str) -> None:

@@ -702,3 +702,39 @@ def test_partition_query_makes_a_user_app_give_the_same_bytes_whatever_its_node_
         return b"".join(a.numpy().tobytes() for a in result.arrays.values())
 
     assert final_bytes(1) == final_bytes(2)
+
+
+def test_checkpoints_that_cannot_be_written_cost_the_checkpoints_not_the_trained_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From round 2 on the checkpoint directory is gone (a file stands in its place, as a disk that fails):
+    every later write fails and is logged, the run trains to the end and start() returns its model."""
+    import logging
+    import time
+
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    ckpt = tmp_path / "ckpt"
+
+    def failing_disk(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        if server_round == 2:
+            deadline = time.monotonic() + 30
+            while not (ckpt / "round-000001" / "manifest.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)  # round 1's checkpoint is written in the background
+            ckpt.rename(tmp_path / "ckpt-before")
+            ckpt.write_text("not a directory")
+        return evaluate_fn(server_round, arrays)
+
+    honest = ClientApp()
+    honest.train()(train)
+    grid = InProcessGrid(honest, 4, seed=0, nodes={10 + i: {"partition-id": i + 3, "num-partitions": NUM_NODES}
+                                                  for i in range(4)})
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, checkpoint_dir=ckpt, progress=False)
+    with _server_identity(grid.run.run_id), caplog.at_level(logging.ERROR):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=4,
+                                evaluate_fn=failing_disk)
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2, 3, 4]
+    assert result.evaluate_metrics_serverapp[4]["accuracy"] > 0.8
+    assert any(m.startswith("background checkpoint write failed: ") for m in caplog.messages), caplog.messages
+    assert any(m.startswith("the last checkpoint could not be written") for m in caplog.messages), caplog.messages
+    assert [p.name for p in (tmp_path / "ckpt-before").iterdir() if p.name.startswith("round-")] == ["round-000001"]

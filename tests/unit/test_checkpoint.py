@@ -329,3 +329,26 @@ def test_split_and_join_groups() -> None:
         join_groups({"a/b": {}})
     with pytest.raises(ValueError, match="prefix"):
         split_groups({"noprefix": torch.ones(1)})
+
+
+def test_a_write_the_disk_refuses_leaves_nothing_behind_and_the_older_checkpoint_whole(tmp_path) -> None:
+    """A file-size limit (RLIMIT_FSIZE: the kernel refuses the write with EFBIG, as a full disk refuses it
+    with ENOSPC) fails the write of round 2 halfway: its temporary directory is removed, so a full disk is
+    not kept full, and round 1 stays the newest valid checkpoint."""
+    code = f"""
+import resource, signal, torch
+from fedrobust.checkpoint import CheckpointStore
+store = CheckpointStore({str(tmp_path / "ck")!r})
+store.save(1, {{"w": torch.zeros(10)}}, {{"round": 1}})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    store.save(2, {{"w": torch.zeros(100_000)}}, {{"round": 2}})
+except OSError as err:
+    print("refused:", err.errno)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("refused: 27"), done.stdout + done.stderr  # EFBIG
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["round-000001"]
+    assert CheckpointStore(str(tmp_path / "ck")).latest_valid().round == 1
