@@ -319,7 +319,10 @@ class RoundLoop:
             if outcome.aggregated:
                 break
             if s.stop_requested:
-                raise Preempted(f"stopped in round {server_round}: attempt {attempt + 1} not aggregated")
+                raise Preempted(
+                    f"stopped during round {server_round} (too few replies in before the stop); the round was "
+                    "abandoned"
+                )
             if not messages:
                 outcome.why_not_aggregated = "no eligible node to sample"
             self._say_not_aggregated(outcome, attempt)
