@@ -223,6 +223,7 @@ def main(cfg: DictConfig) -> float:
     from experiments.simulate import simulate
     from fedrobust.checkpoint import CheckpointMismatchError
     from fedrobust.data import DataUnavailableError
+    from fedrobust.dir_lock import DirectoryInUseError
     from fedrobust.strategies.checkpointing import NoValidCheckpointError
 
     # Flower's logger has a console handler of its own and also passes its records on to Hydra's: each
@@ -245,7 +246,8 @@ def main(cfg: DictConfig) -> float:
     # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies). A Hub data set
     # that could not be read (offline, no local copy). A rule that raised on a round's replies.
     except (
-        QuorumError, AggregationError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError
+        QuorumError, AggregationError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError,
+        DirectoryInUseError,
     ) as failed:
         if _full_error():
             raise

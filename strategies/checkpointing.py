@@ -35,6 +35,7 @@ from fedrobust.checkpoint import (
 )
 from fedrobust.checkpoint_interval import AdaptiveInterval
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO
+from fedrobust.dir_lock import DirectoryLock
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ class RoundCheckpointer:
             )
         self.url = url
         self.mirror = mirror
+        local = _local_path(url) if url is not None else None
+        self._lock = DirectoryLock(local) if local is not None else None
         self.settings = json.loads(json.dumps(dict(settings), sort_keys=True, default=str))
         self.fingerprint = config_hash(self.settings)
         self.every_rounds = every_rounds
@@ -150,6 +153,21 @@ class RoundCheckpointer:
         self._last_time = time.monotonic()
         self.last_round = 0
         self.resumed_from: str | None = None
+
+    def claim(self) -> None:
+        """Hold the local checkpoint directory for this run (:class:`fedrobust.dir_lock.DirectoryLock`).
+
+        Raises
+        ------
+        fedrobust.dir_lock.DirectoryInUseError
+            Another run writes there now.
+        """
+        if self._lock is not None:
+            self._lock.acquire()
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     def due(self, server_round: int) -> bool:
         """Whether to checkpoint after ``server_round`` (the last round of the run always is)."""
@@ -333,12 +351,19 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if not isinstance(err, OSError) else str(err)
 
 
-def _check_writable(url: str) -> None:
-    """Fail before the run when a local checkpoint directory cannot be created or written."""
+def _local_path(url: str) -> Path | None:
+    """The directory of a local checkpoint URL (a path or file://); None for a remote one."""
     protocol = fsspec.utils.get_protocol(url)
     if protocol not in ("file", "local"):
+        return None
+    return Path(fsspec.utils.strip_protocol(url) if protocol != "file" else url.removeprefix("file://"))
+
+
+def _check_writable(url: str) -> None:
+    """Fail before the run when a local checkpoint directory cannot be created or written."""
+    path = _local_path(url)
+    if path is None:
         return
-    path = Path(fsspec.utils.strip_protocol(url) if protocol != "file" else url.removeprefix("file://"))
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"

@@ -90,6 +90,14 @@ class RoundLoop:
 
     # ------------------------------------------------------------------ the run
     def run(self, initial_arrays: ArrayRecord) -> Result:
+        """The run, holding its checkpoint directory (one run writes there at a time)."""
+        self.checkpointer.claim()
+        try:
+            return self._run(initial_arrays)
+        finally:
+            self.checkpointer.release()
+
+    def _run(self, initial_arrays: ArrayRecord) -> Result:
         started = time.perf_counter()
         s = self.strategy
         s.summary()

@@ -738,3 +738,30 @@ def test_checkpoints_that_cannot_be_written_cost_the_checkpoints_not_the_trained
     assert any(m.startswith("background checkpoint write failed: ") for m in caplog.messages), caplog.messages
     assert any(m.startswith("the last checkpoint could not be written") for m in caplog.messages), caplog.messages
     assert [p.name for p in (tmp_path / "ckpt-before").iterdir() if p.name.startswith("round-")] == ["round-000001"]
+
+
+def test_a_run_on_a_directory_another_run_holds_stops_before_training(tmp_path: Path) -> None:
+    """Two runs on one checkpoint directory would overwrite each other's checkpoints: the second stops at
+    once, naming the first; once that one is gone (killed: no stale lock), the same strategy runs."""
+    import os
+    import signal
+    import time
+
+    from fedrobust.dir_lock import DirectoryInUseError
+    from tests.unit.test_dir_lock import holding_process
+
+    holder = holding_process(tmp_path / "ckpt")
+    try:
+        strategy = RobustStrategy(aggregator="median", num_byzantine=1, checkpoint_dir=tmp_path / "ckpt",
+                                  progress=False)
+        started = time.monotonic()
+        with pytest.raises(DirectoryInUseError, match=f"pid {holder.pid}"):
+            _start_on_honest_nodes(strategy, 4)
+        assert time.monotonic() - started < 10
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert not list((tmp_path / "ckpt").glob("round-*"))  # nothing was trained or written
+    result = _start_on_honest_nodes(strategy, 4)  # the same strategy object, once the other run is gone
+    assert result.train_metrics_clientapp[1]["accepted"] == 4
+    assert [p.name for p in (tmp_path / "ckpt").glob("round-*")] == ["round-000001"]
