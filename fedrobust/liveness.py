@@ -145,12 +145,12 @@ class LivenessTracker:
         One log line for them all: a resumed simulation of 100 nodes would otherwise log 100.
         """
         present = set(listed)
-        gone = [n for n, node in sorted(self._nodes.items()) if n not in present and not node.offline]
+        unlisted = [n for n, node in sorted(self._nodes.items()) if n not in present and not node.offline]
+        gone = [n for n in unlisted if self._nodes[n].status != "dead"]  # dead already: nothing new to say
+        for node_id in unlisted:
+            self._nodes[node_id].offline = True
         for node_id in gone:
-            node = self._nodes[node_id]
-            node.offline = True
-            if node.status != "dead":
-                self._kill(node, self._round)
+            self._kill(self._nodes[node_id], self._round)
         if gone:
             shown = ", ".join(map(str, gone[:3])) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
             logger.info("%s no longer listed by Flower: marked dead", f"node {shown}" if len(gone) == 1 else

@@ -23,24 +23,24 @@ POLL_SECONDS = 0.05
 def push(grid: Grid, messages: Sequence[Message]) -> dict[str, int]:
     """Push ``messages``; return message id -> destination node of each one the grid took.
 
-    Flower's grids differ on a message they refuse: the HTTP grid (Deployment Engine) keeps ``None`` in its
-    place, the in-memory grid (simulation) leaves it out, and a payload too large gives no ids at all. Both
-    set each message's id before pushing, so ids are matched, not positions; a grid that sets no id on the
-    messages must return one per message, in order. Nodes whose message was refused are logged here.
+    Flower's grids differ on a message they refuse: the HTTP grid (Deployment Engine) keeps an empty id in
+    its place, the in-memory grid (simulation) leaves it out, and a payload too large gives no ids at all.
+    Both set each message's id before pushing, so ids are matched, not positions; a grid that sets no id on
+    the messages must return one per message, in order. Nodes whose message was refused are logged here.
     """
     returned = list(grid.push_messages(messages))
-    took = {str(mid) for mid in returned if mid}
-    on_messages = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-    if took <= set(on_messages):
-        sent = {mid: node for mid, node in on_messages.items() if mid in took}
+    took = {str(mid) for mid in returned if mid is not None and mid != ""}
+    pairs = [(m.metadata.message_id, m.metadata.dst_node_id) for m in messages]
+    if took <= {mid for mid, _ in pairs if mid}:
+        sent = {mid: node for mid, node in pairs if mid in took}
     elif len(returned) == len(messages):
-        sent = {str(mid): m.metadata.dst_node_id for mid, m in zip(returned, messages, strict=True) if mid}
+        sent = {str(mid): node for mid, (_, node) in zip(returned, pairs, strict=True) if mid is not None and mid != ""}
     else:
         raise ValueError(
             f"the grid returned {len(returned)} ids for {len(messages)} messages and set none of them on the "
             "messages: the replies cannot be attributed to nodes"
         )
-    refused = sorted(set(on_messages.values()) - set(sent.values()))
+    refused = sorted({node for _, node in pairs} - set(sent.values()))
     if refused:
         log.warning(
             "the grid did not take %d of %d messages (to node%s %s); Flower's log may say why",

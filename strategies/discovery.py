@@ -34,8 +34,9 @@ class Discovery:
     def poll(self, *, needed: int = 0, wait: float = 0.0) -> None:
         """Ask new nodes, take answers in; wait at most ``wait`` s until ``needed`` partitions are known."""
         deadline = time.monotonic() + wait
+        refused: set[int] = set()  # asked in this poll and refused by the grid: asked again at the next poll
         while True:
-            asked = set(self.pending.values())
+            asked = set(self.pending.values()) | refused
             unknown = [n for n in sorted(self.grid.get_node_ids()) if n not in self.answered and n not in asked]
             if unknown:
                 queries = [
@@ -44,7 +45,9 @@ class Discovery:
                     )
                     for n in unknown
                 ]
-                self.pending.update(push(self.grid, queries))
+                taken = push(self.grid, queries)
+                self.pending.update(taken)
+                refused.update(set(unknown) - set(taken.values()))
             if self.pending:
                 for reply in self.grid.pull_messages(list(self.pending)):
                     node = self.pending.pop(reply.metadata.reply_to_message_id, None)

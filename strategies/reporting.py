@@ -152,8 +152,11 @@ def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 
             rejected[k] = rejected.get(k, 0) + v
     if first_round > 1:  # a resume: the totals below are the whole run's, the time this process's
         trained = max(0, last["round"] - first_round + 1)
-        head = (f"finished {last['round']} rounds: rounds 1-{first_round - 1} before the resume, "
-                f"{trained} in this process in {seconds:.1f} s")
+        before = "round 1" if first_round == 2 else f"rounds 1-{first_round - 1}"
+        head = (
+            f"finished {last['round']} rounds: {before} before the resume, {trained} in this process "
+            f"in {seconds:.1f} s"
+        )
     else:
         head = f"finished {last['round']} rounds in {seconds:.1f} s"
     lines = ["=" * 72, head]

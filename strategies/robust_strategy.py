@@ -47,7 +47,7 @@ from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.tensors import flatten
 from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
-from fedrobust.validation import BAD_NUM_EXAMPLES, NORM_TOO_LARGE, Rejection, check_num_examples
+from fedrobust.validation import NORM_TOO_LARGE, Rejection, check_num_examples
 
 log = logging.getLogger(__name__)
 
@@ -686,6 +686,7 @@ class RobustStrategy(Strategy):
         self._stop = threading.Event()
         self._rules: dict[int, aggregators.Aggregator] = {num_byzantine: self.aggregator}
         self._said_more_faulty = False  # the warning that more nodes were proven faulty than f, once a run
+        self._pins_checked = False  # key pins of nodes Flower no longer lists freed, once a run (first round)
 
     # ------------------------------------------------------------------ settings
     def _own_settings(self) -> dict[str, Any]:
@@ -740,7 +741,11 @@ class RobustStrategy(Strategy):
         # the nodes new ids (a resumed simulation). Otherwise it would be reported alive for ever.
         listed = set(node_ids)
         self.liveness.observe_listed(listed)
-        self.signatures.release_gone(listed)
+        if not self._pins_checked:
+            # Once a run, at its first round: pins restored from a checkpoint name node ids from before a
+            # restart. Later, a node drops off the list while it is merely offline; its key stays its own.
+            self.signatures.release_gone(listed)
+            self._pins_checked = True
         return self.liveness.eligible(node_ids, server_round)
 
     def _order(self, node_ids: Iterable[int]) -> list[int]:
@@ -1103,6 +1108,10 @@ class RobustStrategy(Strategy):
             checkpoint of the last completed round is written first).
         ClientFailureError
             Every reply of a round failed on the clients with the same error.
+        AggregationError
+            The rule raised on a round's valid replies (the message names it and the round).
+        fedrobust.dir_lock.DirectoryInUseError
+            Another run writes ``checkpoint_dir`` now.
         Preempted
             :meth:`request_stop` was called (SIGTERM/SIGINT); a checkpoint was written first.
         """
@@ -1111,6 +1120,7 @@ class RobustStrategy(Strategy):
         _check(
             isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}"
         )
+        self._pins_checked = False
         loop = RoundLoop(
             self,
             grid,
@@ -1324,10 +1334,7 @@ def _rejections_text(outcome: RoundOutcome, shown: int = 3) -> str:
     return f"; rejected {sum(outcome.rejected.values())}: {parts}{hint}"
 
 
-_BOUND_SETTINGS = {
-    NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config",
-    BAD_NUM_EXAMPLES: "max_num_examples, validation.max_num_examples in the run config",
-}
+_BOUND_SETTINGS = {NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config"}
 
 
 def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float]:

@@ -190,17 +190,13 @@ class RoundLoop:
                     f"stopped during round {server_round} ({row['dropped']} of {row['sampled']} replies missing); "
                     "the round was abandoned"
                 )
-            if self._diverged(new_arrays, row):
+            if (why := self._diverged(new_arrays, row)) is not None:
                 arrays, state = before
                 s.load_state_dict(*state)
                 self._roll_back(server_round, row)
                 rollbacks_this_round += 1
                 if rollbacks_this_round > s.max_round_retries:
-                    raise QuorumError(
-                        f"round {server_round}: the model diverged {rollbacks_this_round} times (loss above "
-                        f"divergence_factor={s.divergence_factor:g} x the best; 0 turns the loss test off, "
-                        "guard.divergence_factor in the run config)"
-                    )
+                    raise QuorumError(f"round {server_round}: the model diverged {rollbacks_this_round} times ({why})")
                 continue  # the same round again, from the state before it, with a lower server lr
             rollbacks_this_round = 0
             arrays = new_arrays
@@ -322,8 +318,11 @@ class RoundLoop:
             answered = {r.metadata.reply_to_message_id for r in replies}
             outcome.dropped.extend(node for mid, node in sent.items() if mid not in answered)  # missed the deadline
             pushed = set(sent.values())
-            outcome.dropped.extend(m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in pushed)
+            refused = [m.metadata.dst_node_id for m in messages if m.metadata.dst_node_id not in pushed]
+            outcome.dropped.extend(refused)  # the grid did not take their messages (collect.push logged it)
             self._record_liveness(sent, replies, server_round)
+            for node_id in refused:  # a node the grid keeps refusing is not asked again every round
+                s.liveness.record_miss(node_id, server_round)
             if outcome.aggregated:
                 break
             if s.stop_requested:
@@ -428,20 +427,26 @@ class RoundLoop:
         out["seconds_evaluate"] = time.perf_counter() - t0
         return out
 
-    def _diverged(self, arrays: ArrayRecord, row: dict[str, Any]) -> bool:
+    def _diverged(self, arrays: ArrayRecord, row: dict[str, Any]) -> str | None:
+        """Why the round's model counts as diverged, or None when it does not."""
         if not model_is_finite(self._state_of(arrays)):
-            return True
+            return "the model has NaN or infinite values"
         loss = row.get("loss")
         if loss is None:
-            return False
+            return None
         if not math.isfinite(loss):
-            return True
+            return f"evaluation loss {loss}"
         factor = self.strategy.divergence_factor
         if factor <= 0 or not math.isfinite(self.guard.best_loss):
-            return False
+            return None
         # A model that fits its data has a best loss near 0, and factor x best then trips on noise (1e-6 to
         # 5e-5 is "50 times" but nothing happened): the best counts as at least DIVERGENCE_LOSS_FLOOR.
-        return loss > factor * max(self.guard.best_loss, DIVERGENCE_LOSS_FLOOR)
+        if loss > factor * max(self.guard.best_loss, DIVERGENCE_LOSS_FLOOR):
+            return (
+                f"loss above divergence_factor={factor:g} x the best; 0 turns the loss test off, "
+                "guard.divergence_factor in the run config"
+            )
+        return None
 
     def _roll_back(self, server_round: int, row: dict[str, Any]) -> None:
         """Count the rollback and lower the server learning rate (the state was restored by the caller)."""

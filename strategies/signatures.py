@@ -86,12 +86,14 @@ class SignatureCheck:
         )
 
     def release_gone(self, listed: set[int]) -> None:
-        """Free the first-use pins of nodes Flower no longer lists, so their keys can sign again.
+        """Free the first-use pins of nodes Flower does not list, so their keys can sign again.
 
-        A restart gives nodes new ids (every simulation start; a SuperLink without ``--database``):
-        without this the keys stay pinned to ids that are gone and every device is refused with
-        ``key_bound_to_other_node``. A node that is listed, online or offline, keeps its pins, so one
-        key still never speaks for two nodes at once.
+        For the first round of a run: a restart gives nodes new ids (every simulation start; a SuperLink
+        without ``--database``), and without this the pins restored from the checkpoint keep every key
+        bound to an id that is gone: every device would be refused with ``key_bound_to_other_node``.
+        Not for later rounds: Flower lists online nodes only, and a device that is merely offline keeps
+        its key (another node taking it meanwhile would lock the device out). Released before any reply
+        is verified, so one key never speaks for two nodes in a round.
         """
         if self.trust is None:
             return

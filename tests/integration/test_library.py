@@ -216,9 +216,11 @@ def _echo_app(metrics: Callable[[int], dict[str, Any]], mods: Sequence[Any] = ()
     return app
 
 
-def _start_on_honest_nodes(strategy: RobustStrategy, num_nodes: int, initial: nn.Module | None = None) -> Result:
+def _start_on_honest_nodes(
+    strategy: RobustStrategy, num_nodes: int, initial: nn.Module | None = None, evaluate: Callable | None = None
+) -> Result:
     """One round of ``strategy`` on ``num_nodes`` honest nodes of the in-process grid (Flower's messages),
-    from the weights of ``initial`` (default: the task's net)."""
+    from the weights of ``initial`` (default: the task's net), evaluated by ``evaluate`` (default: none)."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
     honest = ClientApp()
@@ -231,7 +233,8 @@ def _start_on_honest_nodes(strategy: RobustStrategy, num_nodes: int, initial: nn
     grid = InProcessGrid(honest, num_nodes, seed=0)
     with _server_identity(grid.run.run_id):
         model = make_net() if initial is None else initial
-        return strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=1)
+        return strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=1,
+                              evaluate_fn=evaluate)
 
 
 def test_a_round_samples_at_least_the_replies_the_rule_needs() -> None:
@@ -765,3 +768,10 @@ def test_a_run_on_a_directory_another_run_holds_stops_before_training(tmp_path: 
     result = _start_on_honest_nodes(strategy, 4)  # the same strategy object, once the other run is gone
     assert result.train_metrics_clientapp[1]["accepted"] == 4
     assert [p.name for p in (tmp_path / "ckpt").glob("round-*")] == ["round-000001"]
+
+
+def test_a_model_that_keeps_diverging_names_the_cause() -> None:
+    """A NaN loss is no matter of divergence_factor: the error says what the guard saw."""
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
+    with pytest.raises(QuorumError, match=r"^round 1: the model diverged 2 times \(evaluation loss nan\)$"):
+        _start_on_honest_nodes(strategy, 4, evaluate=lambda server_round, arrays: MetricRecord({"loss": float("nan")}))

@@ -13,8 +13,13 @@ import pytest
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "contracts.md"
 # Names the document uses for instances, and the class they are instances of.
-INSTANCES = {"store": "fedrobust.checkpoint.CheckpointStore", "tracker": "fedrobust.liveness.LivenessTracker"}
-CALL = re.compile(r"(?<![\w.])([A-Za-z_][\w.]*)\(")
+INSTANCES = {
+    "store": "fedrobust.checkpoint.CheckpointStore",
+    "tracker": "fedrobust.liveness.LivenessTracker",
+    "optimizer": "fedrobust.server_optim.ServerOptimizer",
+}
+# A call, not a method's declaration (``def min_n(self)`` in a protocol block).
+CALL = re.compile(r"(?<![\w.])(?<!def )([A-Za-z_][\w.]*)\(")
 
 
 def _documented_calls() -> list[tuple[str, str, str]]:
@@ -33,6 +38,7 @@ def _documented_calls() -> list[tuple[str, str, str]]:
 
 
 def _calls_in(block: str) -> list[tuple[str, str]]:
+    block = "\n".join(line.split("#")[0] for line in block.splitlines())  # comments mention, they do not declare
     out = []
     for match in CALL.finditer(block):
         depth, i = 1, match.end()
@@ -61,6 +67,11 @@ def _resolve(section: str, name: str) -> Any:
                 break
             return obj if callable(obj) else None
     return None
+
+
+def test_every_documented_call_names_something_that_exists() -> None:
+    unknown = [f"{section}: {name}" for section, name, _ in _documented_calls() if _resolve(section, name) is None]
+    assert not unknown, f"docs/contracts.md names calls that do not exist: {unknown}"
 
 
 def _checked() -> list[tuple[str, Any, str]]:

@@ -204,3 +204,37 @@ def test_a_node_flower_no_longer_lists_is_dead_and_not_reported_alive(caplog: py
     with caplog.at_level(logging.INFO, logger="fedrobust.liveness"):
         assert strategy.refresh_liveness(grid([5, 6, 7, 8]), 4) == [5, 6, 7, 8]
     assert [m for m in caplog.messages if "no longer listed" in m] == ["node 1 no longer listed by Flower: marked dead"]
+
+
+def test_a_dead_node_that_drops_off_the_list_is_not_reported_again() -> None:
+    tracker = LivenessTracker(dead_after=1)
+    tracker.observe_listed([1, 2])
+    tracker.record_reply(1, 1)
+    tracker.record_reply(2, 1)
+    tracker.record_miss(1, 2)  # dead: missed dead_after rounds
+    assert tracker.status(1) == "dead"
+    assert tracker.observe_listed([2]) == []  # already dead: nothing newly marked
+    assert tracker.observe_listed([]) == [2]
+    assert tracker.eligible([1, 2], 10) == []  # both offline now
+
+
+def test_only_the_first_round_of_a_run_frees_the_key_pins_of_unlisted_nodes() -> None:
+    """Pins restored from a checkpoint name node ids from before a restart: freed at the first round. Later a
+    node drops off Flower's list (online nodes only) while merely offline, and keeps its key."""
+    from types import SimpleNamespace
+
+    from fedrobust.signing import TrustStore, generate_keypair
+    from fedrobust.strategies.robust_strategy import RobustStrategy
+
+    def grid(node_ids: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(get_nodes=lambda: [SimpleNamespace(node_id=n, status="online") for n in node_ids])
+
+    trust = TrustStore()
+    kid = trust.add(generate_keypair()[1])
+    trust.pin(kid, 1)  # as restored from a checkpoint: node 1 is an id from before the restart
+    strategy = RobustStrategy(aggregator="median", signing=trust, progress=False)
+    strategy.refresh_liveness(grid([7, 8]), 1)
+    assert trust.bound_node(kid) is None
+    trust.pin(kid, 7)
+    strategy.refresh_liveness(grid([8]), 2)  # node 7 offline: not listed, but its key stays its own
+    assert trust.bound_node(kid) == 7

@@ -594,7 +594,7 @@ def test_the_round_reports_the_f_the_rule_ran_with_after_dedup_took_copies_out(l
 
 class _RefusingNetwork(_Network):
     """A grid that refuses the message to node ``refused``: ``omit`` leaves its id out as Flower's
-    in-memory grid does, else it keeps ``None`` in its place as the HTTP grid does."""
+    in-memory grid does, else it keeps an empty id in its place as the HTTP grid does."""
 
     def __init__(self, replies: dict[str, tuple[float, Message]], refused: int, *, omit: bool) -> None:
         super().__init__(replies)
@@ -603,7 +603,7 @@ class _RefusingNetwork(_Network):
     def push_messages(self, messages: list[Message]) -> list[str | None]:  # type: ignore[override]
         ids = super().push_messages(messages)
         kept = [None if m.metadata.dst_node_id == self._refused else mid for mid, m in zip(ids, messages, strict=True)]
-        return [mid for mid in kept if mid is not None] if self._omit else kept
+        return [mid for mid in kept if mid is not None] if self._omit else [mid or "" for mid in kept]
 
 
 @pytest.mark.parametrize("omit", [True, False], ids=["in-memory grid", "HTTP grid"])
@@ -637,3 +637,31 @@ def test_a_grid_whose_ids_cannot_be_matched_to_the_messages_is_refused_by_name()
     instructions = _instructions(RobustStrategy(aggregator="median", progress=False), _global(), 3, 1)
     with pytest.raises(ValueError, match="returned 1 ids for 3 messages"):
         push(Shuffling(), instructions)  # type: ignore[arg-type]
+
+
+def test_a_partition_query_the_grid_refuses_is_asked_again_at_the_next_poll_not_every_50_ms(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fedrobust.strategies.discovery import Discovery
+
+    _instructions(RobustStrategy(aggregator="median", progress=False), _global(), 1, 1)  # the task's identity
+
+    class RefusingNode2:
+        def get_node_ids(self) -> list[int]:
+            return [1, 2]
+
+        def push_messages(self, messages: list[Message]) -> list[str]:
+            for m in messages:  # as Flower's grids do: each message's id set, the refused one left out
+                m.metadata.__dict__["_message_id"] = f"q{m.metadata.dst_node_id}"
+            return [m.metadata.message_id for m in messages if m.metadata.dst_node_id != 2]
+
+        def pull_messages(self, message_ids: list[str]) -> list[Message]:
+            return []
+
+    discovery = Discovery(RefusingNode2(), {}, set())  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="fedrobust.strategies.collect"):
+        discovery.poll(needed=2, wait=0.5)
+        assert sum("did not take" in m for m in caplog.messages) == 1  # not once per 50 ms loop
+        discovery.poll(needed=2, wait=0.2)
+    assert sum("did not take" in m for m in caplog.messages) == 2  # the next poll asks again
+    assert discovery.pending == {"q1": 1}
