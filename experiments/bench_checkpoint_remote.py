@@ -38,7 +38,8 @@ import torch
 
 from experiments.bench_checkpoint import median_seconds, server_state
 from experiments.local_s3 import local_s3
-from fedrobust.checkpoint import CheckpointStore, MirroredStore, join_groups
+from fedrobust.checkpoint import CheckpointStore, join_groups
+from fedrobust.checkpoint_mirror import MirroredStore
 from fedrobust.models import build_model
 from fedrobust.server_optim import ServerOptimizer
 

@@ -26,7 +26,7 @@ from flwr.simulation import run_simulation
 from experiments.adversary import omniscient_hook
 from experiments.client_state import with_client_state
 from fedrobust import components
-from fedrobust.checkpoint import open_store
+from fedrobust.checkpoint_mirror import open_store
 from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import RunConfig
 from fedrobust.run_setup import validate

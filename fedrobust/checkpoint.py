@@ -35,8 +35,9 @@ is invalid and :meth:`CheckpointStore.latest_valid` falls back to the newest che
 (the last full one plus the valid deltas before the broken link). Pruning keeps the ancestors of every kept
 checkpoint.
 
-:class:`MirroredStore` writes locally first and uploads every committed checkpoint's files, unchanged, to a
-remote store on a background thread, retrying with bounded backoff; the caller never waits on the network.
+:class:`fedrobust.checkpoint_mirror.MirroredStore` writes locally first and uploads every committed
+checkpoint's files, unchanged, to a remote store on a background thread, retrying with bounded backoff; the
+caller never waits on the network. The delta encoding is :mod:`fedrobust.checkpoint_delta`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -66,6 +67,8 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+
+from fedrobust.checkpoint_delta import Raw, apply_delta, build_safetensors, encode_delta, parse_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -285,21 +288,13 @@ def restore_rng_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, An
         torch.cuda.set_rng_state(tensors[f"cuda/{index}"].cpu(), device=index)
 
 
-class _Raw(NamedTuple):
-    """One tensor as safetensors stores it: dtype name, shape and its raw bytes (a uint8 view, no copy)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: np.ndarray
-
-
 @dataclass(frozen=True)
 class _Base:
     """What the writer remembers of its last commit, to encode the next checkpoint as a delta of it."""
 
     round: int
     manifest_sha256: str
-    tensors: dict[str, _Raw]
+    tensors: dict[str, Raw]
     deltas_since_full: int
 
 
@@ -493,7 +488,7 @@ class CheckpointStore:
             and base.round < payload.round
             and base.deltas_since_full < self.full_every - 1
         )
-        new_tensors = _parse_safetensors(payload.tensors) if self.full_every > 1 else {}
+        new_tensors = parse_safetensors(payload.tensors) if self.full_every > 1 else {}
         manifest: dict[str, Any] = {
             "format": FORMAT,
             "round": payload.round,
@@ -501,7 +496,7 @@ class CheckpointStore:
         }
         if as_delta:
             assert base is not None
-            delta_bytes, index = _encode_delta(new_tensors, base.tensors)
+            delta_bytes, index = encode_delta(new_tensors, base.tensors)
             files = [
                 (DELTA_FILE, delta_bytes),
                 (DELTA_INDEX_FILE, json.dumps(index, sort_keys=True).encode("utf-8")),
@@ -674,7 +669,7 @@ class CheckpointStore:
         for round_, name in sorted(self._list_round_dirs(), reverse=True):
             checkpoint = self._try_load(round_, name)
             if checkpoint is not None:
-                return _check_config_hash(checkpoint, config_hash, force)
+                return check_config_hash(checkpoint, config_hash, force)
         return None
 
     def _try_load(self, round_: int, name: str) -> Checkpoint | None:
@@ -716,20 +711,20 @@ class CheckpointStore:
         if manifest.get("kind", "full") == "full":
             tensors = load_safetensors(contents[TENSORS_FILE])
         else:
-            tensors = load_safetensors(_build_safetensors(self._delta_state(round_, manifest, contents)))
+            tensors = load_safetensors(build_safetensors(self._delta_state(round_, manifest, contents)))
         path = self._display(self._join(name))
         return Checkpoint(round=round_, tensors=tensors, meta=meta_doc["meta"], path=path)
 
-    def _state(self, round_: int, depth: int) -> tuple[dict[str, _Raw], str]:
+    def _state(self, round_: int, depth: int) -> tuple[dict[str, Raw], str]:
         """Raw tensors of a checkpoint (following a delta's chain) and the sha256 of its manifest."""
         manifest, manifest_sha, contents = self._read_verified(round_, _round_name(round_))
         if manifest.get("kind", "full") == "full":
-            return _parse_safetensors(contents[TENSORS_FILE]), manifest_sha
+            return parse_safetensors(contents[TENSORS_FILE]), manifest_sha
         return self._delta_state(round_, manifest, contents, depth), manifest_sha
 
     def _delta_state(
         self, round_: int, manifest: dict[str, Any], contents: dict[str, bytes], depth: int = 0
-    ) -> dict[str, _Raw]:
+    ) -> dict[str, Raw]:
         parent = manifest.get("parent")
         parent_round = parent.get("round") if isinstance(parent, dict) else None
         if (
@@ -751,7 +746,7 @@ class CheckpointStore:
             )
         try:
             index = json.loads(contents[DELTA_INDEX_FILE])
-            return _apply_delta(base, _parse_safetensors(contents[DELTA_FILE]), index)
+            return apply_delta(base, parse_safetensors(contents[DELTA_FILE]), index)
         except (KeyError, TypeError, AttributeError, zlib.error) as exc:
             raise _InvalidCheckpoint(f"delta does not apply to round {parent_round}: {exc!r}") from None
 
@@ -833,7 +828,8 @@ class CheckpointStore:
         return path if self._local else self._fs.unstrip_protocol(path)
 
 
-def _check_config_hash(checkpoint: Checkpoint, config_hash: str | None, force: bool) -> Checkpoint:
+def check_config_hash(checkpoint: Checkpoint, config_hash: str | None, force: bool) -> Checkpoint:
+    """``checkpoint`` when it was saved with ``config_hash`` (or ``force``), else CheckpointMismatchError."""
     if config_hash is None:
         return checkpoint
     saved_hash = checkpoint.meta.get(CONFIG_HASH_KEY)
@@ -918,381 +914,3 @@ def _log_failure(future: Future[str]) -> None:
         logger.error("background checkpoint write failed: %s", exc)
     elif exc is not None:
         logger.error("background checkpoint write failed", exc_info=exc)
-
-
-# --------------------------------------------------------------------------------------------- deltas
-def _parse_safetensors(data: bytes) -> dict[str, _Raw]:
-    """Views of every tensor's raw bytes in a safetensors blob (no copy; the blob must stay alive)."""
-    try:
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_len])
-        buffer = np.frombuffer(data, dtype=np.uint8)
-        start = 8 + header_len
-        out: dict[str, _Raw] = {}
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            if not 0 <= begin <= end <= len(data) - start:
-                raise ValueError(f"offsets of {key!r} lie outside the data")
-            shape = tuple(int(d) for d in info["shape"])
-            out[key] = _Raw(str(info["dtype"]), shape, buffer[start + begin : start + end])
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise _InvalidCheckpoint(f"malformed safetensors data: {exc!r}") from None
-    return out
-
-
-def _build_safetensors(tensors: Mapping[str, _Raw]) -> bytes:
-    """The safetensors blob of raw tensors (the inverse of :func:`_parse_safetensors`)."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for key in sorted(tensors):
-        raw = tensors[key]
-        header[key] = {"dtype": raw.dtype, "shape": list(raw.shape), "data_offsets": [offset, offset + raw.data.size]}
-        offset += raw.data.size
-    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data to 8 bytes
-    body = [len(header_bytes).to_bytes(8, "little"), header_bytes]
-    body += [tensors[key].data.tobytes() for key in sorted(tensors)]
-    return b"".join(body)
-
-
-def _shuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
-    # Byte planes (all first bytes, then all second bytes, ...): the XOR of two close floats has zero sign,
-    # exponent and high-mantissa bytes, which zlib then compresses to almost nothing.
-    return data.reshape(-1, itemsize).T.reshape(-1) if itemsize > 1 else data
-
-
-def _unshuffle(data: np.ndarray, itemsize: int) -> np.ndarray:
-    return data.reshape(itemsize, -1).T.reshape(-1) if itemsize > 1 else data
-
-
-def _encode_delta(new: Mapping[str, _Raw], base: Mapping[str, _Raw]) -> tuple[bytes, dict[str, Any]]:
-    """Encode ``new`` against ``base``: per tensor "same", "xor" (zlib of the shuffled XOR) or "full".
-
-    Every encoding restores the exact bytes; "xor" is used only where it is smaller than the raw bytes.
-    """
-    stored: dict[str, _Raw] = {}
-    index: dict[str, Any] = {}
-    for key in sorted(new):
-        raw = new[key]
-        entry: dict[str, Any] = {"dtype": raw.dtype, "shape": list(raw.shape), "nbytes": int(raw.data.size)}
-        old = base.get(key)
-        numel = int(np.prod(raw.shape, dtype=np.int64))
-        if old is not None and old.dtype == raw.dtype and old.shape == raw.shape and old.data.size == raw.data.size:
-            if np.array_equal(old.data, raw.data):
-                index[key] = entry | {"op": "same"}
-                continue
-            itemsize = raw.data.size // numel
-            # .data: the array's buffer as a memoryview (numpy types ndarray as a buffer only for Python >= 3.12).
-            packed = zlib.compress(_shuffle(np.bitwise_xor(old.data, raw.data), itemsize).data, 1)
-            if len(packed) < raw.data.size:
-                stored[key] = _Raw("U8", (len(packed),), np.frombuffer(packed, dtype=np.uint8))
-                index[key] = entry | {"op": "xor", "codec": "zlib", "itemsize": itemsize}
-                continue
-        stored[key] = _Raw("U8", (raw.data.size,), raw.data)
-        index[key] = entry | {"op": "full"}
-    return _build_safetensors(stored), {"tensors": index}
-
-
-def _apply_delta(base: Mapping[str, _Raw], stored: Mapping[str, _Raw], index: Any) -> dict[str, _Raw]:
-    """Inverse of :func:`_encode_delta`; raises KeyError/TypeError/zlib.error/_InvalidCheckpoint on bad input."""
-    out: dict[str, _Raw] = {}
-    for key, entry in index["tensors"].items():
-        op, nbytes = entry["op"], int(entry["nbytes"])
-        shape = tuple(int(d) for d in entry["shape"])
-        if op == "same":
-            data = base[key].data
-        elif op == "full":
-            data = stored[key].data
-        elif op == "xor":
-            itemsize = int(entry["itemsize"])
-            xor = np.frombuffer(zlib.decompress(stored[key].data.tobytes()), dtype=np.uint8)
-            if xor.size != nbytes or base[key].data.size != nbytes:
-                raise _InvalidCheckpoint(f"delta of {key!r} has {xor.size} bytes, expected {nbytes}")
-            data = np.bitwise_xor(base[key].data, _unshuffle(xor, itemsize))
-        else:
-            raise _InvalidCheckpoint(f"unknown delta op {op!r} for {key!r}")
-        if data.size != nbytes:
-            raise _InvalidCheckpoint(f"{key!r} restores to {data.size} bytes, expected {nbytes}")
-        out[key] = _Raw(str(entry["dtype"]), shape, data)
-    return out
-
-
-# --------------------------------------------------------------------------------------------- mirror
-class MirroredStore:
-    """Checkpoints written to a local store first, then uploaded to a remote one in the background.
-
-    A save costs what a local save costs: once the local checkpoint is committed, its files are queued
-    for upload and a background thread copies them, unchanged (manifest last), to the remote store. A failed
-    upload is logged and retried with exponential backoff (bounded by ``max_backoff``) until it succeeds, a
-    newer checkpoint supersedes it, or the store is closed; it never raises into the caller. When uploads
-    fall behind, only the newest checkpoint (and, for a delta, the chain it needs) is uploaded.
-
-    Parameters
-    ----------
-    local : str
-        Local directory (or any fsspec URL) written first.
-    remote : str
-        fsspec URL of the mirror, e.g. ``s3://bucket/run``.
-    keep : int, default 3
-        Retention of both stores (see :class:`CheckpointStore`).
-    full_every : int, default 1
-        Incremental mode of the local store; the remote receives the same full and delta checkpoints.
-    storage_options : Mapping[str, Any], optional
-        fsspec options of the remote store (endpoint, credentials).
-    initial_backoff, max_backoff : float, default 0.5 and 30.0
-        Seconds before the first retry of a failed upload, and the cap of the doubling delay.
-
-    Notes
-    -----
-    :meth:`latest_valid` loads the newest checkpoint that verifies in either place (the local one on a tie),
-    so a run resumes from the remote copy when the local disk was lost.
-    """
-
-    def __init__(
-        self,
-        local: str,
-        remote: str,
-        *,
-        keep: int = 3,
-        full_every: int = 1,
-        storage_options: Mapping[str, Any] | None = None,
-        initial_backoff: float = 0.5,
-        max_backoff: float = 30.0,
-    ) -> None:
-        if not 0 < initial_backoff <= max_backoff:
-            raise ValueError(
-                f"need 0 < initial_backoff <= max_backoff, got {initial_backoff!r} and {max_backoff!r}"
-            )
-        self.local = CheckpointStore(local, keep=keep, full_every=full_every)
-        # No network at construction (an unreachable mirror must not stop the run): the bucket must exist.
-        self.remote = CheckpointStore(remote, keep=keep, storage_options=storage_options, _create=False)
-        self.initial_backoff = initial_backoff
-        self.max_backoff = max_backoff
-        self._cond = threading.Condition()
-        self._queue: dict[int, CommittedFiles] = {}
-        self._busy = False
-        self._closing = False
-        self._failures = 0
-        self._thread: threading.Thread | None = None
-        self.local._on_commit = self._enqueue
-
-    def __repr__(self) -> str:
-        return f"MirroredStore({self.local.url!r}, {self.remote.url!r}, keep={self.local.keep})"
-
-    def __enter__(self) -> MirroredStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    @property
-    def keep(self) -> int:
-        return self.local.keep
-
-    # ----------------------------------------------------------------------------------------- writing
-    def save(self, round: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str:
-        """Commit locally (see :meth:`CheckpointStore.save`) and queue the upload; returns the local path."""
-        return self.local.save(round, tensors, meta)
-
-    def save_async(
-        self, round: int, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
-    ) -> Future[str]:
-        """Like :meth:`CheckpointStore.save_async` on the local store; the upload follows the local commit."""
-        return self.local.save_async(round, tensors, meta)
-
-    def wait(self) -> str | None:
-        """Block until the pending local write is committed (uploads are not waited for: see :meth:`flush`)."""
-        return self.local.wait()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the local write and then for the upload queue to drain.
-
-        Returns
-        -------
-        bool
-            True if every committed checkpoint was uploaded (or superseded) within ``timeout`` seconds.
-        """
-        self.local.wait()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._busy:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
-
-    def close(self, upload_timeout: float | None = 60.0) -> None:
-        """Flush the local write, give uploads up to ``upload_timeout`` seconds, stop the upload thread.
-
-        Checkpoints still not uploaded then are logged at WARNING; they remain in the local store.
-        """
-        try:
-            self.local.close()
-        finally:
-            if not self.flush(upload_timeout):
-                with self._cond:
-                    left = sorted(self._queue)
-                logger.warning(
-                    "closing the mirror with checkpoint(s) of round(s) %s not uploaded to %s", left, self.remote.url
-                )
-            with self._cond:
-                self._closing = True
-                self._queue.clear()
-                self._cond.notify_all()
-                thread, self._thread = self._thread, None
-            if thread is not None:
-                thread.join()
-            with self._cond:
-                self._closing = False
-
-    def _enqueue(self, committed: CommittedFiles) -> None:
-        with self._cond:
-            # A save of round r discarded every local checkpoint >= r: their uploads are void.
-            for round_ in [r for r in self._queue if r >= committed.round]:
-                del self._queue[round_]
-            self._queue[committed.round] = committed
-            # Only the newest checkpoint and the chain of deltas it is built on are worth uploading.
-            needed: set[int] = set()
-            item: CommittedFiles | None = committed
-            while item is not None:
-                needed.add(item.round)
-                item = self._queue.get(item.parent) if item.parent is not None else None
-            for round_ in [r for r in self._queue if r not in needed]:
-                logger.debug("upload of round %d superseded by round %d", round_, committed.round)
-                del self._queue[round_]
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._upload_loop, name="fedrobust-mirror", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def _upload_loop(self) -> None:
-        attempts: dict[int, int] = {}
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if self._closing:
-                    return
-                round_ = min(self._queue)  # oldest first: a delta's parent goes up before the delta
-                item = self._queue[round_]
-                self._busy = True
-            try:
-                self.remote._commit_files(item.round, item.files)
-                error: Exception | None = None
-            except Exception as exc:
-                error = exc
-            with self._cond:
-                self._busy = False
-                if error is None:
-                    attempts.pop(round_, None)
-                    if self._queue.get(round_) is item:
-                        del self._queue[round_]
-                    logger.debug("uploaded checkpoint of round %d to %s", round_, self.remote.url)
-                else:
-                    self._failures += 1
-                    attempts[round_] = attempts.get(round_, 0) + 1
-                    delay = min(self.initial_backoff * 2 ** (attempts[round_] - 1), self.max_backoff)
-                    logger.warning(
-                        "upload of checkpoint round %d to %s failed (attempt %d): %s; retrying in %.3g s",
-                        round_,
-                        self.remote.url,
-                        attempts[round_],
-                        error,
-                        delay,
-                    )
-                    # Woken early by close() or by a newer checkpoint (which may supersede this one).
-                    self._cond.wait(delay)
-                self._cond.notify_all()
-
-    @property
-    def upload_failures(self) -> int:
-        """How many upload attempts have failed so far (each was logged and retried)."""
-        with self._cond:
-            return self._failures
-
-    # ----------------------------------------------------------------------------------------- reading
-    def rounds(self) -> list[int]:
-        """Rounds committed in either place, oldest first (checksums are not verified here)."""
-        return sorted(set(self.local.rounds()) | set(self._remote_rounds()))
-
-    def _remote_rounds(self) -> list[int]:
-        try:
-            return self.remote.rounds()
-        except Exception as exc:
-            logger.warning("cannot list the mirror %s: %s", self.remote.url, exc)
-            return []
-
-    def latest_valid(self, config_hash: str | None = None, *, force: bool = False) -> Checkpoint | None:
-        """Load the newest checkpoint that verifies in either store (see :meth:`CheckpointStore.latest_valid`).
-
-        An unreachable remote is logged at WARNING and only the local store is searched.
-        """
-        candidates: list[tuple[int, int, CheckpointStore, str]] = []
-        self.local.skipped, self.remote.skipped = [], []
-        for preference, store in ((1, self.local), (0, self.remote)):
-            try:
-                listed = store._list_round_dirs()
-            except Exception as exc:
-                logger.warning("cannot list %s: %s", store.url, exc)
-                continue
-            candidates += [(round_, preference, store, name) for round_, name in listed]
-        for round_, _, store, name in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
-            try:
-                checkpoint = store._try_load(round_, name)
-            except Exception as exc:
-                logger.warning("cannot load %s from %s: %s", name, store.url, exc)
-                continue
-            if checkpoint is not None:
-                return _check_config_hash(checkpoint, config_hash, force)
-        return None
-
-    @property
-    def skipped(self) -> list[str]:
-        """Why each checkpoint the last :meth:`latest_valid` passed over failed, in either place."""
-        return [*self.local.skipped, *self.remote.skipped]
-
-    def set_aside(self) -> list[str]:
-        """:meth:`CheckpointStore.set_aside` in both places (an unreachable mirror is logged and left)."""
-        moved = self.local.set_aside()
-        try:
-            moved += self.remote.set_aside()
-        except Exception as exc:
-            logger.warning("cannot set aside the checkpoints of the mirror %s: %s", self.remote.url, exc)
-        return moved
-
-
-def open_store(
-    url: str,
-    *,
-    keep: int = 3,
-    full_every: int = 1,
-    storage_options: Mapping[str, Any] | None = None,
-    mirror: str | None = None,
-    mirror_storage_options: Mapping[str, Any] | None = None,
-) -> CheckpointStore | MirroredStore:
-    """Build the checkpoint store a run configuration asks for.
-
-    Parameters
-    ----------
-    url : str
-        Where checkpoints are written first (a local directory, or any fsspec URL).
-    keep, full_every, storage_options
-        See :class:`CheckpointStore` (``storage_options`` apply to ``url``).
-    mirror : str, optional
-        fsspec URL uploaded to in the background (see :class:`MirroredStore`); ``url`` must then be local.
-    mirror_storage_options : Mapping[str, Any], optional
-        fsspec options of the mirror.
-
-    Returns
-    -------
-    CheckpointStore or MirroredStore
-        Both offer ``save``, ``save_async``, ``wait``, ``close``, ``rounds`` and ``latest_valid``.
-    """
-    if mirror is None:
-        return CheckpointStore(url, keep=keep, full_every=full_every, storage_options=storage_options)
-    if storage_options:
-        raise ValueError("with a mirror, the first store is local: pass the remote's options as mirror_storage_options")
-    return MirroredStore(url, mirror, keep=keep, full_every=full_every, storage_options=mirror_storage_options)

@@ -1,7 +1,7 @@
 """What a round checkpoint holds for the server, and how a run resumes from one.
 
 The store itself (atomic, checksummed, fsspec, no pickle; optionally incremental and mirrored) is
-built by :func:`fedrobust.checkpoint.open_store`; this module decides what goes in and when: the
+built by :func:`fedrobust.checkpoint_mirror.open_store`; this module decides what goes in and when: the
 global model, the strategy's state (server optimizer, aggregator, liveness and quarantine, key pins),
 RNG states, divergence-guard state, the metrics history, the adaptive interval's state and the
 settings the run was started with.
@@ -25,15 +25,14 @@ from fedrobust.checkpoint import (
     CONFIG_HASH_KEY,
     CheckpointMismatchError,
     CheckpointStore,
-    MirroredStore,
     capture_rng_state,
     config_hash,
     join_groups,
-    open_store,
     restore_rng_state,
     split_groups,
 )
 from fedrobust.checkpoint_interval import AdaptiveInterval
+from fedrobust.checkpoint_mirror import MirroredStore, open_store
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO
 from fedrobust.dir_lock import DirectoryLock
 

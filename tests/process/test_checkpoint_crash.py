@@ -26,7 +26,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from fedrobust.checkpoint import CheckpointStore, MirroredStore
+from fedrobust.checkpoint import CheckpointStore
+from fedrobust.checkpoint_mirror import MirroredStore
 
 pytestmark = [
     pytest.mark.slow(seconds=10),  # each mode
@@ -40,7 +41,8 @@ import sys
 
 import torch
 
-from fedrobust.checkpoint import CheckpointStore, MirroredStore
+from fedrobust.checkpoint import CheckpointStore
+from fedrobust.checkpoint_mirror import MirroredStore
 
 
 def state(round_):

@@ -18,9 +18,8 @@ from fedrobust.checkpoint import (
     MANIFEST_FILE,
     TENSORS_FILE,
     CheckpointStore,
-    MirroredStore,
-    open_store,
 )
+from fedrobust.checkpoint_mirror import MirroredStore, open_store
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
