@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fedrobust.checkpoint import CheckpointStore
+from fedrobust.dir_lock import LOCK_FILE
 from tests.support.flower_processes import Proc, descendants, stop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,7 @@ def rounds_on_disk(ckpt_dir: Path) -> list[int]:
 
 def committed(ckpt_dir: Path) -> int:
     """The newest round, after checking that every entry is a complete checkpoint and the newest verifies."""
-    entries = sorted(p.name for p in ckpt_dir.iterdir())
+    entries = sorted(p.name for p in ckpt_dir.iterdir() if p.name != LOCK_FILE)  # the run's lock stays, by design
     assert all(name.startswith("round-") for name in entries), f"half-written or leftover entries: {entries}"
     rounds = rounds_on_disk(ckpt_dir)
     newest = CheckpointStore(str(ckpt_dir)).latest_valid()
