@@ -102,7 +102,16 @@ def flower_callables(x: torch.Tensor, f: int, names: tuple[str, ...] = FLOWER) -
 
 def fedrobust_callables(x: torch.Tensor, f: int, rules: list[str]) -> dict[str, Callable[[], object]]:
     built = {name: aggregators.build(name, f=f, **RULE_PARAMS.get(name, {})) for name in rules}
-    return {name: functools.partial(agg, x) for name, agg in built.items()}
+    # FLTrust also takes the server's own update each call: the mean of the rows stands for it (computed
+    # once, outside the timing; a server trains it on its root data set).
+    server_update = x.mean(dim=0) if any(agg.needs_server_update for agg in built.values()) else None
+    return {name: functools.partial(_call, agg, x, server_update) for name, agg in built.items()}
+
+
+def _call(agg: aggregators.Aggregator, x: torch.Tensor, server_update: torch.Tensor | None) -> object:
+    if server_update is not None and agg.needs_server_update:
+        agg.set_server_update(server_update)
+    return agg(x)
 
 
 def best_times(fns: dict[str, Callable[[], object]], repeats: int, budget_s: float) -> dict[str, float]:
