@@ -9,8 +9,9 @@ run directory.
 
 Exit codes: 0 done; 1 the run could not train (no nodes, no quorum, every client failing) or
 refused to resume from its checkpoints (other settings, none valid), with a one-line reason; 2 an
-invalid configuration, every problem on its own line, before Ray or Flower starts; 75 stopped by
-SIGTERM/SIGINT (with checkpoint.dir set, run the same command again to resume). ``HYDRA_FULL_ERROR=1``
+invalid configuration, every problem on its own line, before Ray or Flower starts; 75 run the same command
+again later: stopped by SIGTERM/SIGINT (with checkpoint.dir set it resumes), or not started because another
+run holds checkpoint.dir. ``HYDRA_FULL_ERROR=1``
 raises instead of exiting 1 or 2, with the traceback.
 """
 
@@ -242,12 +243,16 @@ def main(cfg: DictConfig) -> float:
     except Preempted as stopped:
         _say_preempted(stopped, run_cfg)
         sys.exit(EXIT_PREEMPTED)
+    except DirectoryInUseError as busy:  # temporary: the same command works once the other run has ended
+        if _full_error():
+            raise
+        print(f"fedrobust: not started: {' '.join(str(busy).split())}", file=sys.stderr)
+        sys.exit(EXIT_PREEMPTED)
     # QuorumError: also NoNodesError and ClientFailureError, nothing (more) could be trained. The
     # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies). A Hub data set
     # that could not be read (offline, no local copy). A rule that raised on a round's replies.
     except (
-        QuorumError, AggregationError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError,
-        DirectoryInUseError,
+        QuorumError, AggregationError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError
     ) as failed:
         if _full_error():
             raise

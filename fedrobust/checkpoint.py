@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -378,6 +379,12 @@ class CheckpointStore:
         # Called on the writing thread after every commit; MirroredStore queues the upload here.
         self._on_commit: Callable[[CommittedFiles], None] | None = None
 
+    @property
+    def local_dir(self) -> str | None:
+        """The directory on this machine that holds the checkpoints, resolved as the store writes it (``~``,
+        ``file://`` and relative paths), or None for a remote store."""
+        return self._root if self._local else None
+
     def __repr__(self) -> str:
         extra = f", full_every={self.full_every}" if self.full_every > 1 else ""
         return f"CheckpointStore({self.url!r}, keep={self.keep}{extra})"
@@ -687,9 +694,15 @@ class CheckpointStore:
         For a fresh start over checkpoints that are corrupt or belong to another run: they stay for
         inspection, and no longer count as this store's checkpoints.
         """
+        names = [name for _, name in self._list_round_dirs()]
+        taken = set(self._fs.ls(self._root, detail=False)) if names else set()
         stamp = time.strftime("%Y%m%d-%H%M%S")
+        for count in itertools.count(1):  # a second fresh start within the same second: -2, -3, ...
+            if not any(self._join(f"{_ASIDE_PREFIX}{stamp}-{name}") in taken for name in names):
+                break
+            stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{count + 1}"
         moved = []
-        for _, name in self._list_round_dirs():
+        for name in names:
             target = f"{_ASIDE_PREFIX}{stamp}-{name}"
             if self._local:
                 os.replace(self._join(name), self._join(target))

@@ -79,6 +79,11 @@ class MirroredStore:
         self._thread: threading.Thread | None = None
         self.local._on_commit = self._enqueue
 
+    @property
+    def local_dir(self) -> str | None:
+        """The local store's directory (see :attr:`CheckpointStore.local_dir`)."""
+        return self.local.local_dir
+
     def __repr__(self) -> str:
         return f"MirroredStore({self.local.url!r}, {self.remote.url!r}, keep={self.local.keep})"
 

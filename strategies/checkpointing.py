@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 import fsspec
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from fedrobust.checkpoint import (
     CONFIG_HASH_KEY,
@@ -133,7 +135,7 @@ class RoundCheckpointer:
             )
         self.url = url
         self.mirror = mirror
-        local = _local_path(url) if url is not None else None
+        local = self.store.local_dir if self.store is not None else None
         self._lock = DirectoryLock(local) if local is not None else None
         self.settings = json.loads(json.dumps(dict(settings), sort_keys=True, default=str))
         self.fingerprint = config_hash(self.settings)
@@ -336,36 +338,37 @@ class RoundCheckpointer:
         try:
             self.store.close()
         except Exception as err:
-            try:
-                newest = max(self.store.rounds(), default=None)
-            except Exception:  # the store may be unreadable too
-                newest = None
+            newest = self.newest_round()
             log.error(
                 "the last checkpoint could not be written (%s); a resume would start %s",
                 _reason(err), "from scratch" if newest is None else f"after round {newest}",
             )
+
+    def newest_round(self) -> int | None:
+        """The newest round with a checkpoint in the store (committed; not verified here), or None."""
+        if self.store is None:
+            return None
+        try:
+            return max(self.store.rounds(), default=None)
+        except Exception:  # the store may be unreadable (a full or vanished disk)
+            return None
 
 
 def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if not isinstance(err, OSError) else str(err)
 
 
-def _local_path(url: str) -> Path | None:
-    """The directory of a local checkpoint URL (a path or file://); None for a remote one."""
-    protocol = fsspec.utils.get_protocol(url)
-    if protocol not in ("file", "local"):
-        return None
-    return Path(fsspec.utils.strip_protocol(url) if protocol != "file" else url.removeprefix("file://"))
-
-
 def _check_writable(url: str) -> None:
     """Fail before the run when a local checkpoint directory cannot be created or written."""
-    path = _local_path(url)
-    if path is None:
+    if fsspec.utils.get_protocol(url) not in ("file", "local"):
         return
+    fs, root = fsspec.core.url_to_fs(url)  # as the store resolves it: ~, file:// and local:// included
+    if not isinstance(fs, LocalFileSystem):
+        return
+    path = Path(root)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
+        probe = path / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:

@@ -156,9 +156,15 @@ class RoundLoop:
                 wait=True,
             )
             if isinstance(stopped, Preempted):
-                stopped.checkpointed = bool(saved)
+                newest = last if saved else self.checkpointer.newest_round()
+                stopped.checkpointed = newest is not None and newest > 0
                 if saved:
                     self.metrics.say(f"stopping: the checkpoint of round {last} is on disk")
+                elif last > 0 and stopped.checkpointed:
+                    self.metrics.say(
+                        f"stopping: the checkpoint of round {last} could not be written; a resume starts after "
+                        f"round {newest}"
+                    )
             if stopped is err:
                 raise
             raise stopped from err

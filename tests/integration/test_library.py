@@ -775,3 +775,52 @@ def test_a_model_that_keeps_diverging_names_the_cause() -> None:
     strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
     with pytest.raises(QuorumError, match=r"^round 1: the model diverged 2 times \(evaluation loss nan\)$"):
         _start_on_honest_nodes(strategy, 4, evaluate=lambda server_round, arrays: MetricRecord({"loss": float("nan")}))
+
+
+def test_a_stop_whose_checkpoint_the_disk_refuses_says_where_a_resume_starts(tmp_path: Path) -> None:
+    """Round 1's checkpoint is written; then the disk refuses writes (RLIMIT_FSIZE: EFBIG, as a full disk's
+    ENOSPC) and a stop comes in round 2. The stop's own checkpoint fails: the run says so, and that a resume
+    starts after round 1 (it does not claim that no round had completed)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import logging, resource, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from flwr.app import ArrayRecord, MetricRecord
+from flwr.clientapp import ClientApp
+from experiments.inprocess import InProcessGrid, _server_identity
+from fedrobust import Preempted, RobustStrategy
+from tests.integration.test_library import make_net, train
+
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+ckpt = Path({str(tmp_path / "ckpt")!r})
+strategy = RobustStrategy(aggregator="median", num_byzantine=1, checkpoint_dir=ckpt, progress=True)
+
+def evaluate(server_round, arrays):
+    if server_round == 2:
+        while not (ckpt / "round-000001" / "manifest.json").exists():
+            time.sleep(0.01)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        strategy.request_stop()
+    return MetricRecord({{"loss": 1.0, "accuracy": 0.5}})
+
+app = ClientApp()
+app.train()(train)
+grid = InProcessGrid(app, 4, seed=0, nodes={{10 + i: {{"partition-id": i + 3, "num-partitions": 8}} for i in range(4)}})
+try:
+    with _server_identity(grid.run.run_id):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=4,
+                       evaluate_fn=evaluate)
+except Preempted as stopped:
+    print("checkpointed:", stopped.checkpointed)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stopping: the checkpoint of round 2 could not be written; a resume starts after round 1" in done.stdout, (
+        done.stdout + done.stderr
+    )
+    assert "checkpointed: True" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("round-*")) == ["round-000001"]

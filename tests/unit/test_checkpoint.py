@@ -352,3 +352,15 @@ except OSError as err:
     assert done.stdout.startswith("refused: 27"), done.stdout + done.stderr  # EFBIG
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["round-000001"]
     assert CheckpointStore(str(tmp_path / "ck")).latest_valid().round == 1
+
+
+def test_two_fresh_starts_within_a_second_set_their_checkpoints_aside_under_two_names(tmp_path) -> None:
+    store = CheckpointStore(str(tmp_path))
+    moved = []
+    for _ in range(3):
+        store.save(1, {"w": torch.zeros(3)}, {"round": 1})
+        moved += store.set_aside()
+    assert len(set(moved)) == 3 and store.rounds() == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("aside-")) == sorted(
+        p.rsplit("/", 1)[-1] for p in moved
+    )

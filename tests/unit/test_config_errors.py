@@ -404,6 +404,18 @@ def test_refused_resume_or_a_failing_rule_exits_1_with_one_line(
     assert outcome.stderr == f"fedrobust: run failed: {message}\n"
 
 
+def test_a_checkpoint_directory_another_run_holds_exits_75_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from fedrobust.dir_lock import DirectoryInUseError
+
+    message = "/ck is in use by another run (pid 7 on vm, since 2026-11-26 10:00:00): two runs ..."
+    _raising_engine(monkeypatch, DirectoryInUseError(message))
+    outcome = _cli([f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)
+    assert outcome.code == 75  # temporary: the same command works once the other run has ended
+    assert outcome.stderr == f"fedrobust: not started: {message}\n"
+
+
 @pytest.mark.parametrize(
     ("ckpt_dir", "says"),
     [("", "no checkpoint (checkpoint.dir is empty)"), ("ck", "no checkpoint (no round had completed)")],
