@@ -70,6 +70,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from fedrobust.checkpoint_delta import Raw, apply_delta, build_safetensors, encode_delta, parse_safetensors
+from fedrobust.dir_lock import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -634,7 +635,7 @@ class CheckpointStore:
         """Delete temp/trash directories of writers that no longer run (crashed mid-write)."""
         for entry in os.scandir(self._root):
             match = _LEFTOVER.match(entry.name)
-            if match and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(match.group(1))):
+            if match and entry.is_dir(follow_symlinks=False) and not pid_alive(int(match.group(1))):
                 logger.info("removing leftover %s", entry.path)
                 shutil.rmtree(entry.path, ignore_errors=True)
 
@@ -909,16 +910,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _log_failure(future: Future[str]) -> None:

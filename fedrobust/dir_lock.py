@@ -97,12 +97,13 @@ def _read_holder(fd: int) -> str:
         return "its process is unknown"
     if host == socket.gethostname() and pid == os.getpid():
         return f"another run in this process, since {since}"
-    if host == socket.gethostname() and not _alive(pid):
+    if host == socket.gethostname() and not pid_alive(pid):
         return f"pid {pid} on {host}, since {since}, has ended: a process it forked still holds the lock"
     return f"pid {pid} on {host}, since {since}"
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (one of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
