@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -21,6 +22,11 @@ PIPELINE_SEPARATOR = "+"
 
 _RULES: dict[str, type[Rule]] = {}
 _PRES: dict[str, type[PreAggregator]] = {}
+
+# User rules that passed their contract check in this process, by what was built (target, f, parameters,
+# pre-aggregators). One run validates its config more than once (the command line, the simulation, the
+# ServerApp) and then builds its strategy: a rule that is slow to build or to run is checked once.
+_CHECKED: set[tuple[Any, ...]] = set()
 
 R = TypeVar("R", bound=type[Rule])
 P = TypeVar("P", bound=type[PreAggregator])
@@ -104,7 +110,8 @@ def build(
         path (``my_pkg.rules.MyRule``, as a config's
         ``aggregator._target_``) or a callable, built with ``f`` and ``params`` by
         :func:`fedrobust.components.user_rule` and contract-checked
-        (:func:`fedrobust.components.check_rule`) before it is returned.
+        (:func:`fedrobust.components.check_rule`) before it is returned; once per process for the same
+        class or function, ``f``, ``pre`` and ``params``.
     f : int
         Number of Byzantine rows to tolerate; also given to the pre-aggregators.
     pre : sequence of str or mapping
@@ -152,6 +159,9 @@ def build(
     def pipeline(target: Any = name) -> Aggregator:
         return Aggregator(user_rule(target, f, params), build_pre(pre, f))
 
+    key = _check_key(name, f, pre, params)
+    if key is not None and key in _CHECKED:
+        return pipeline()
     # On an instance of its own: the check must not move a stateful rule's state. A name or a factory
     # builds a new one; an object built already (or a function) is checked on a copy of it.
     built = not isinstance(name, str | type)
@@ -161,7 +171,31 @@ def build(
         log.warning("aggregator %r could not be copied for its contract check (%s): not checked", name, err)
     else:
         check_rule(pipeline(probe))
+        if key is not None:
+            _CHECKED.add(key)
     return pipeline()
+
+
+def _check_key(name: Any, f: int, pre: Any, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What a passed contract check is remembered by; None for what may change between two builds: an
+    object built already (its state), or parameters without a stable ``repr``."""
+    if isinstance(name, str):
+        from fedrobust.components import import_target
+
+        # The imported object, not its path: a module reloaded in a notebook is checked again.
+        try:
+            name = import_target(name)
+        except Exception:  # user_rule says what is wrong with the path
+            return None
+    if not isinstance(name, type | types.FunctionType):
+        return None
+    key = (name, f, repr([dict(item) if isinstance(item, Mapping) else item for item in _pre_items(pre)]),
+           repr(sorted(params.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], f: int) -> list[PreAggregator]:

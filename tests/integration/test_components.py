@@ -68,6 +68,14 @@ class Raises(CoordinateMedian):
         raise RuntimeError("boom")
 
 
+class Counted(CoordinateMedian):
+    calls = 0
+
+    def __call__(self, updates):
+        type(self).calls += 1
+        return super().__call__(updates)
+
+
 def hf_load(seed=0):
     import datasets
 
@@ -117,6 +125,31 @@ def test_user_components_validate_build_and_partition(on_path: Path) -> None:
     assert torch.equal(again.tensors[0], parts[2].tensors[0])  # the same partition every round
     agg = aggregators.build(cfg.aggregator._target_, f=1, pre=["nnm"])
     assert agg.min_n() == 3 and agg(torch.randn(5, 7)).shape == (7,)
+
+
+def test_a_user_rule_is_contract_checked_once_per_process_not_at_each_build(on_path: Path) -> None:
+    """A run validates its config at the command line, in the simulation and in the ServerApp, then builds
+    its strategy: a slow rule pays its check once. What differs, or was reloaded, is checked again."""
+    import importlib
+
+    from fedrobust import RobustStrategy
+
+    module = importlib.import_module(MODULE)
+    module.Counted.calls = 0
+    cfg = from_flat(_targets(**{"aggregator._target_": f"{MODULE}.Counted"}))
+    validate(cfg)
+    validate(cfg)
+    RobustStrategy(aggregator=f"{MODULE}.Counted", num_byzantine=1, progress=False)
+    assert module.Counted.calls == 1
+    aggregators.build(f"{MODULE}.Counted", f=2)  # another f: another check
+    assert module.Counted.calls == 2
+    reloaded = importlib.reload(module)  # the user edited the rule: a new class, checked again
+    reloaded.Counted.calls = 0
+    aggregators.build(f"{MODULE}.Counted", f=1)
+    assert reloaded.Counted.calls == 1
+    for _ in range(2):  # a failed check is not remembered
+        with pytest.raises(ValueError, match="boom"):
+            aggregators.build(f"{MODULE}.Raises", f=1)
 
 
 def _row_set(ds: torch.utils.data.TensorDataset) -> set[tuple[float, ...]]:
