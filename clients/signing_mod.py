@@ -101,8 +101,11 @@ def sign_reply(
     if config is None or not isinstance(nonce, bytes):
         log.warning("the server sent no nonce: reply left unsigned")
         return None
+    # The strategy's weighted_by_key and arrayrecord_key, which it sends where they are not the defaults.
+    count_key = str(config.get(protocol.NUM_EXAMPLES_KEY, protocol.NUM_EXAMPLES))
+    arrays_key = str(config.get(protocol.ARRAYS_KEY, protocol.ARRAYS))
     content = reply.content
-    arrays = content.array_records.get(protocol.UPDATE) or content.array_records.get(protocol.ARRAYS)
+    arrays = content.array_records.get(protocol.UPDATE) or content.array_records.get(arrays_key)
     if arrays is None and len(content.array_records) == 1:
         arrays = next(iter(content.array_records.values()))
     metrics = content.metric_records.get(protocol.METRICS)
@@ -111,13 +114,13 @@ def sign_reply(
     if arrays is None or metrics is None:
         log.warning("train reply has no arrays or metrics to sign: left unsigned")
         return None
-    num_examples = metrics.get(protocol.NUM_EXAMPLES)
+    num_examples = metrics.get(count_key)
     # A whole float (96.0) is signed as the integer, as the server verifies it; anything else goes unsigned
     # (the server rejects a count that is not a number, or an unsigned reply when it requires signatures).
     if isinstance(num_examples, float) and num_examples.is_integer():
         num_examples = int(num_examples)
     if isinstance(num_examples, bool) or not isinstance(num_examples, int):
-        log.warning("train reply's %r is %r, not a whole number: left unsigned", protocol.NUM_EXAMPLES, num_examples)
+        log.warning("train reply's %r is %r, not a whole number: left unsigned", count_key, num_examples)
         return None
     sig = signing.sign_update(
         key,

@@ -17,6 +17,10 @@ SERVER_ROUND = "server-round"  # as Flower's strategies name it
 NONCE = "nonce"
 NUM_EXAMPLES = "num-examples"
 PARTITION_ID = "partition-id"
+# server -> client, next to the nonce, only where the strategy names them otherwise than the defaults
+# (weighted_by_key, arrayrecord_key): the record names a signing client mod signs.
+NUM_EXAMPLES_KEY = "num-examples-key"
+ARRAYS_KEY = "arrays-key"
 KEY_ID = "key-id"
 SIG = "sig"
 # Set by a simulated Byzantine client so that the simulation-only adversary hook can

@@ -147,7 +147,7 @@ ServerUpdateFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, torch.
 
 
 # Warnings said once a process.
-_said = {"plain mean": False}
+_said = {"plain mean": False, "f=0": False}
 
 
 def _check(condition: bool, message: str) -> None:
@@ -296,8 +296,9 @@ class RobustStrategy(Strategy):
         with ``train_``), next to the round's counts (``accepted``, ``rejected``, ...). For evaluation it
         gets every evaluation reply with metrics and a count in ``(0, max_num_examples]``, and replaces
         the default: each metric trimmed of its ``num_byzantine`` highest and lowest values, then
-        example-weighted. Default for training: the unweighted mean of the clients' ``train_*`` metrics.
-        Clients report these metrics themselves; none is trusted.
+        example-weighted. Default for training: the same, over every metric of the accepted replies (named
+        ``train_<key>``; a client's own ``train_loss`` wins over its ``loss``). Clients report these
+        metrics themselves; none is trusted.
     weight_by_num_examples : bool
         Weight replies by their (unverifiable) example counts where the rule supports weights.
     server_optimizer : str
@@ -597,6 +598,13 @@ class RobustStrategy(Strategy):
                 num_byzantine,
                 AggregatorConfig.name,
             )
+        if num_byzantine == 0 and self.aggregator.label != "mean" and not _said["f=0"]:
+            _said["f=0"] = True  # once a process, as above
+            log.warning(
+                "num_byzantine=0: aggregator %s tolerates no faulty node (with f=0 it keeps every valid reply, "
+                "as FedAvg does); set num_byzantine to the number of nodes that may be faulty",
+                self.aggregator.label,
+            )
         self.server_update_fn = server_update_fn
         self._rule_spec = (
             aggregator,
@@ -686,6 +694,7 @@ class RobustStrategy(Strategy):
         self._stop = threading.Event()
         self._rules: dict[int, aggregators.Aggregator] = {num_byzantine: self.aggregator}
         self._said_more_faulty = False  # the warning that more nodes were proven faulty than f, once a run
+        self._said_uncounted = False  # the warning about evaluation replies without a count, once a run
         self._pins_checked = False  # key pins of nodes Flower no longer lists freed, once a run (first round)
 
     # ------------------------------------------------------------------ settings
@@ -798,6 +807,11 @@ class RobustStrategy(Strategy):
         cfg[protocol.SERVER_ROUND] = server_round
         if kind == MessageType.TRAIN:
             cfg[protocol.NONCE] = self.signatures.nonce(node_id, server_round)
+            # What a signing mod must sign, where the app names it otherwise than Flower's defaults.
+            if self.weighted_by_key != protocol.NUM_EXAMPLES:
+                cfg[protocol.NUM_EXAMPLES_KEY] = self.weighted_by_key
+            if self.arrayrecord_key != protocol.ARRAYS:
+                cfg[protocol.ARRAYS_KEY] = self.arrayrecord_key
         content = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: cfg})
         return Message(content, message_type=kind, dst_node_id=node_id)
 
@@ -874,7 +888,8 @@ class RobustStrategy(Strategy):
         outcome.f_used = f_used
         need = outcome.needed = rule.min_n()
         if len(accepted) < need:
-            lowered = f" (num_byzantine={self.num_byzantine} less {len(proven)} proven faulty)" if proven else ""
+            lowered = (f" (num_byzantine={self.num_byzantine} less {len(proven)} proven faulty)"
+                       if proven and self.num_byzantine else "")
             outcome.why_not_aggregated = (
                 f"{len(accepted)} valid replies, {rule.label} with f={f_used}{lowered} needs at least {need}"
             )
@@ -885,7 +900,7 @@ class RobustStrategy(Strategy):
                     f"federation's num-supernodes; a deployment: see flwr supernode ls) or lower num_byzantine"
                     + (f" (with {outcome.sampled} nodes, at most {fits})" if fits is not None else "")
                 )
-            outcome.why_not_aggregated += _rejections_text(outcome)
+            outcome.why_not_aggregated += _rejections_text(outcome, self.num_byzantine)
             return outcome
         start = time.perf_counter()
         assert len(matrix) == len(accepted)
@@ -948,17 +963,26 @@ class RobustStrategy(Strategy):
         return self._rule_for(f), f
 
     def _train_metrics(self, accepted: list[ClientUpdate]) -> dict[str, float]:
-        """The clients' training metrics of the round, by ``train_metrics_aggr_fn`` where given."""
-        if self.train_metrics_aggr_fn is None or not accepted:
-            return _mean_metrics(accepted)
-        records = [
-            RecordDict({protocol.METRICS: MetricRecord({**u.metrics, self.weighted_by_key: u.num_examples})})
-            for u in accepted
-        ]
-        aggregated = self.train_metrics_aggr_fn(records, self.weighted_by_key)
-        # train_<key>, as the default names them: a round's row holds the server's evaluation "loss" too.
-        return {k if k.startswith("train_") else f"train_{k}": x for k, v in aggregated.items()
-                if (x := _finite(v)) is not None}
+        """The clients' training metrics of the round: by ``train_metrics_aggr_fn`` where given, else each
+        metric trimmed of its ``num_byzantine`` highest and lowest values and example-weighted, as
+        federated evaluation's are."""
+        if not accepted:
+            return {}
+        if self.train_metrics_aggr_fn is None:
+            own = (self.weighted_by_key, protocol.SIM_BYZANTINE)
+            keys = sorted({k for u in accepted for k in u.metrics if k not in own})
+            aggregated: Mapping[str, Any] = {
+                k: _trimmed_weighted(pairs, self.num_byzantine)
+                for k in keys
+                if (pairs := [(x, u.num_examples) for u in accepted if (x := _finite(u.metrics.get(k))) is not None])
+            }
+        else:
+            records = [
+                RecordDict({protocol.METRICS: MetricRecord({**u.metrics, self.weighted_by_key: u.num_examples})})
+                for u in accepted
+            ]
+            aggregated = self.train_metrics_aggr_fn(records, self.weighted_by_key)
+        return _train_named(aggregated)
 
     def _proven_faulty(self, outcome: RoundOutcome) -> set[int]:
         """Nodes proven faulty: a reply rejected this round, or quarantined for earlier ones."""
@@ -1047,6 +1071,7 @@ class RobustStrategy(Strategy):
         """
         rows: list[tuple[dict[str, float], float]] = []
         contents: list[RecordDict] = []
+        uncounted = 0
         for reply in replies:
             if reply.has_error() or not reply.content.metric_records:
                 continue
@@ -1054,10 +1079,18 @@ class RobustStrategy(Strategy):
             record = records.get(protocol.METRICS) or next(iter(records.values()))
             count = _finite(record.get(self.weighted_by_key))
             if count is None or not 0 < count <= self.max_num_examples:
+                uncounted += 1
                 continue
             scalars = {k: x for k, v in record.items() if k != self.weighted_by_key and (x := _finite(v)) is not None}
             rows.append((scalars, count))
             contents.append(reply.content)
+        if uncounted and not self._said_uncounted:
+            self._said_uncounted = True  # a ClientApp's mistake, the same in every round: said once a run
+            log.warning(
+                "round %d: %d evaluation replies left out: their %r is missing or not in (0, max_num_examples=%d] "
+                "(the evaluate reply's MetricRecord needs it, as the train reply's does). Said once a run.",
+                server_round, uncounted, self.weighted_by_key, self.max_num_examples,
+            )
         if self.evaluate_metrics_aggr_fn is not None:
             return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key) if contents else None
         keys = sorted({k for r, _ in rows for k in r})
@@ -1067,19 +1100,19 @@ class RobustStrategy(Strategy):
                              for k in keys})
 
     def summary(self) -> None:
-        """Log the strategy's configuration."""
-        log.info(
-            "RobustStrategy: rule=%s f=%d fraction_train=%g min_train_nodes=%d server-opt=%s(lr=%g) "
-            "max-norm=%s signatures=%s checkpoints=%s",
-            self.aggregator.label,
-            self.num_byzantine,
-            self.fraction_train,
-            self.min_train_nodes,
-            self.optimizer.name,
-            self.optimizer.lr,
-            self.max_update_norm,
-            "required" if self.signatures.require else ("checked" if self.signatures.trust else "off"),
-            self.checkpoint_dir or "off",
+        """Log the strategy's configuration (:meth:`describe`); ``start()`` shows it with the round lines."""
+        log.info("%s", self.describe())
+
+    def describe(self) -> str:
+        """The strategy's configuration in one line."""
+        signatures = "required" if self.signatures.require else ("checked" if self.signatures.trust else "off")
+        evaluation = (f"fraction_evaluate={self.fraction_evaluate:g}" if self.fraction_evaluate
+                      else "federated evaluation off (fraction_evaluate=0)")
+        return (
+            f"RobustStrategy: rule={self.aggregator.label} f={self.num_byzantine} "
+            f"fraction_train={self.fraction_train:g} min_train_nodes={self.min_train_nodes} {evaluation} "
+            f"server-opt={self.optimizer.name}(lr={self.optimizer.lr:g}) max-norm={self.max_update_norm} "
+            f"signatures={signatures} checkpoints={self.checkpoint_dir or 'off'}"
         )
 
     def start(
@@ -1319,9 +1352,10 @@ def _trimmed_weighted(values: list[tuple[float, float]], f: int) -> float:
     return sum(v * c for v, c in kept) / sum(c for _, c in kept)
 
 
-def _rejections_text(outcome: RoundOutcome, shown: int = 3) -> str:
+def _rejections_text(outcome: RoundOutcome, tolerated: int, shown: int = 3) -> str:
     """``; rejected 5: 5x malformed_reply ('num-examples' missing or not a number)``: the most common reasons,
-    each with the detail of its first reply, or nothing when no reply was rejected."""
+    each with the detail of its first reply, or nothing when no reply was rejected. More than ``tolerated``
+    (num_byzantine) replies rejected for one reason are said to look like a bug, not an attack."""
     if not outcome.rejected_nodes:
         return ""
     detail: dict[str, str] = {}
@@ -1331,18 +1365,21 @@ def _rejections_text(outcome: RoundOutcome, shown: int = 3) -> str:
     # A bound set too low for the model rejects honest nodes too: name the setting that moves it.
     bounds = [_BOUND_SETTINGS[r] for r, _ in outcome.rejected.most_common(shown) if r in _BOUND_SETTINGS]
     hint = f" (if these nodes are honest, raise the bound: {'; '.join(bounds)})" if bounds else ""
-    return f"; rejected {sum(outcome.rejected.values())}: {parts}{hint}"
+    total = sum(outcome.rejected.values())
+    if not hint and len(outcome.rejected) == 1 and total > tolerated:
+        hint = (f" (more than num_byzantine={tolerated} nodes failing alike points at the ClientApp's replies or a "
+                "setting rather than at faulty nodes)")
+    return f"; rejected {total}: {parts}{hint}"
 
 
 _BOUND_SETTINGS = {NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config"}
 
 
-def _mean_metrics(updates: list[ClientUpdate]) -> dict[str, float]:
-    """Unweighted mean of the clients' own finite training metrics (reported, never trusted): one client's
-    NaN would make the round's value NaN, and the metrics file invalid JSON."""
-    values: dict[str, list[float]] = {}
-    for update in updates:
-        for key, value in update.metrics.items():
-            if key.startswith("train_") and math.isfinite(value):
-                values.setdefault(key, []).append(value)
-    return {k: float(np.mean(v)) for k, v in sorted(values.items())}
+def _train_named(aggregated: Mapping[str, Any]) -> dict[str, float]:
+    """The finite training metrics, each named ``train_<key>`` unless it starts with ``train_``: a round's
+    row holds the server's evaluation ``loss`` too. Where a client reports both ``loss`` and
+    ``train_loss``, its own ``train_loss`` is kept. NaN is left out (the metrics file would not be JSON)."""
+    named = {f"train_{k}": x for k, v in aggregated.items()
+             if not k.startswith("train_") and (x := _finite(v)) is not None}
+    named.update({k: x for k, v in aggregated.items() if k.startswith("train_") and (x := _finite(v)) is not None})
+    return dict(sorted(named.items()))

@@ -62,9 +62,12 @@ class RoundLoop:
         self.evaluate_config = evaluate_config
         self.evaluate_fn = evaluate_fn
         s = strategy
+        # The train config reaches every client's training, so a checkpoint must agree with it too (named
+        # only where given: checkpoints of runs without one resume as before).
+        settings = {**s.settings, "train_config": dict(train_config)} if train_config else s.settings
         self.checkpointer = RoundCheckpointer(
             s.checkpoint_dir,
-            settings=s.settings,
+            settings=settings,
             every_rounds=s.checkpoint_every,
             every_seconds=s.checkpoint_every_seconds,
             keep=s.checkpoint_keep,
@@ -100,7 +103,7 @@ class RoundLoop:
     def _run(self, initial_arrays: ArrayRecord) -> Result:
         started = time.perf_counter()
         s = self.strategy
-        s.summary()
+        self.metrics.say(s.describe())
         arrays = initial_arrays
         first_round = 1
         resumed = self.checkpointer.restore(initial_arrays)
@@ -494,7 +497,8 @@ class RoundLoop:
     def _record(self, row: dict[str, Any]) -> None:
         """Put one round's metrics into Flower's Result."""
         r = row["round"]
-        train: dict[str, Any] = {k: row[k] for k in ("accepted", "dropped", "attempts", "f_used") if k in row}
+        train: dict[str, Any] = {k: row[k] for k in ("accepted", "dropped", "attempts", "f_used", "server_lr")
+                                 if k in row}
         train["rejected"] = sum(row.get("rejected", {}).values())
         train.update({f"rejected.{k}": v for k, v in row.get("rejected", {}).items()})
         train.update({k: v for k, v in row.items() if k.startswith("train_")})
@@ -517,6 +521,7 @@ _OWN_KEYS = frozenset(
         "filtered_nodes", "excluded", "excluded_nodes", "client_errors",
         "quarantined", "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
         "seconds_checkpoint_blocking", "checkpoint_interval", "rollbacks", "liveness", "federated_evaluate",
+        "server_lr",
     }
 )
 
@@ -555,6 +560,6 @@ def _errors_text(outcome: RoundOutcome) -> str:
         text += f"; {errors} of {outcome.sampled} replies failed on the clients: {parts}"
     missed = len(outcome.dropped) - errors
     if missed > 0:
-        text += (f"; {missed} of {outcome.sampled} replies missed the round's deadline (round_deadline; "
-                 "fault.round_timeout in fedrobust's run config)")
+        text += (f"; {missed} of {outcome.sampled} replies missed the round's deadline (round_deadline, else "
+                 "start()'s timeout; fault.round_timeout in fedrobust's run config)")
     return text

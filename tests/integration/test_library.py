@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
@@ -189,7 +189,6 @@ def test_standard_replies_become_updates_against_the_model_sent() -> None:
     grid = InProcessGrid(reply_weights(0.5), 3, seed=0)
     strategy = RobustStrategy(aggregator="median", num_byzantine=0, progress=False)
     initial = {"w": torch.zeros(2, 2), "b": torch.ones(2)}
-    from flwr.app import ConfigRecord
 
     with _server_identity(grid.run.run_id):
         messages = list(strategy.configure_train(1, ArrayRecord(initial), ConfigRecord(), grid))
@@ -306,7 +305,7 @@ def test_a_round_whose_replies_missed_the_deadline_says_so() -> None:
                               progress=False)
     with _server_identity(grid.run.run_id), pytest.raises(
         QuorumError, match=r"1 valid replies, median with f=1 needs at least 3\); 3 of 4 replies missed the "
-                           r"round's deadline \(round_deadline; fault.round_timeout"
+                           r"round's deadline \(round_deadline, else start\(\)'s timeout; fault.round_timeout"
     ):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
 
@@ -321,7 +320,8 @@ def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplo
     with _server_identity(grid.run.run_id), pytest.raises(
         QuorumError,
         match=r"round 1: not aggregated after 2 attempts \(0 valid replies, median with f=0 \(num_byzantine=1 "
-        r"less 3 proven faulty\) needs at least 1; rejected 3: 3x malformed_reply \('num-examples' missing",
+        r"less 3 proven faulty\) needs at least 1; rejected 3: 3x malformed_reply \('num-examples' missing or not "
+        r"a number\) \(more than num_byzantine=1 nodes failing alike points at the ClientApp's replies",
     ):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     warnings = [r.getMessage() for r in caplog.records if "more than num_byzantine" in r.getMessage()]
@@ -350,6 +350,23 @@ def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path: 
         _start_on_honest_nodes(RobustStrategy(checkpoint_dir=tmp_path, progress=False), 5, initial=with_norm)
 
 
+def test_a_resume_with_another_train_config_is_refused_naming_it(tmp_path: Path) -> None:
+    """``start(train_config=...)`` reaches every client's training: a checkpoint must agree with it."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    def start(lr: float, num_rounds: int) -> Result:
+        grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
+        strategy = RobustStrategy(aggregator="median", checkpoint_dir=tmp_path, progress=False)
+        with _server_identity(grid.run.run_id):
+            return strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()),
+                                  num_rounds=num_rounds, train_config=ConfigRecord({"lr": lr}))
+
+    start(0.1, 1)
+    with pytest.raises(CheckpointMismatchError, match=r"other settings: train_config.lr: 0.1 -> 0.5\."):
+        start(0.5, 2)
+    assert sorted(start(0.1, 2).train_metrics_clientapp) == [1, 2]  # the same train config resumes
+
+
 def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsigned() -> None:
     """``num-examples`` as 96.0 is a count the server accepts: the mod signs it as the integer the server
     verifies. A count the server rejects anyway (2.5) goes unsigned rather than failing the ClientApp."""
@@ -368,6 +385,32 @@ def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsign
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     metrics = result.train_metrics_clientapp[1]
     assert metrics["accepted"] == 2 and metrics["rejected.missing_signature"] == 1, dict(metrics)
+
+
+def test_signing_mod_signs_the_records_a_strategy_with_other_keys_names() -> None:
+    """``weighted_by_key`` and ``arrayrecord_key`` as in FedAvg: the server names them in the train config,
+    and the mod signs the count and arrays under those names (a second ArrayRecord makes the name matter)."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+    from fedrobust import signing, signing_mod
+
+    keys = [signing.derive_keypair(5, partition)[0] for partition in range(3)]
+    trust = signing.TrustStore()
+    for key in keys:
+        trust.add(key.public_key())
+    app = ClientApp(mods=[signing_mod(lambda context: keys[int(context.node_config["partition-id"])])])
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        extra = ArrayRecord({"step": torch.zeros(1)})
+        content = RecordDict({"weights": msg.content["weights"], "extra": extra, "metrics": MetricRecord({"n": 12})})
+        return Message(content, reply_to=msg)
+
+    grid = InProcessGrid(app, 3, seed=0)
+    strategy = RobustStrategy(aggregator="mean", signing=trust, weighted_by_key="n", arrayrecord_key="weights",
+                              progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    assert result.train_metrics_clientapp[1]["accepted"] == 3, dict(result.train_metrics_clientapp[1])
 
 
 def test_optional_signatures_take_a_node_without_a_key_and_still_check_a_wrong_one() -> None:
@@ -416,6 +459,28 @@ def test_federated_evaluation_metrics_are_trimmed_so_one_client_cannot_set_them(
     assert federated["loss"] == pytest.approx(0.5)
 
 
+def test_evaluation_replies_without_a_count_are_said_once_not_dropped_silently(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    app = _echo_app(lambda _: {"num-examples": 100})
+
+    @app.evaluate()
+    def _evaluate(msg: Message, context: Context) -> Message:  # forgot num-examples
+        return Message(RecordDict({"metrics": MetricRecord({"accuracy": 0.8})}), reply_to=msg)
+
+    grid = InProcessGrid(app, 3, seed=0)
+    strategy = RobustStrategy(aggregator="median", fraction_evaluate=1.0, progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=2)
+    assert not result.evaluate_metrics_clientapp
+    said = [r.getMessage() for r in caplog.records if "evaluation replies left out" in r.getMessage()]
+    assert said == ["round 1: 3 evaluation replies left out: their 'num-examples' is missing or not in (0, "
+                    "max_num_examples=1000000] (the evaluate reply's MetricRecord needs it, as the train reply's "
+                    "does). Said once a run."]
+
+
 def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them() -> None:
     """``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``, Flower's FedAvg arguments: the train one sees
     the accepted replies only, the evaluate one replaces the trimmed default (here letting the liar in)."""
@@ -431,7 +496,8 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         arrays = msg.content["arrays"]
         if partition == 0:  # rejected: NaN weights
             arrays = ArrayRecord({k: torch.full_like(v, float("nan")) for k, v in arrays.to_torch_state_dict().items()})
-        metrics = MetricRecord({"num-examples": 100 * (partition + 1), "loss": float(partition)})
+        metrics = MetricRecord({"num-examples": 100 * (partition + 1), "loss": float(partition),
+                                "train_loss": 10.0 * partition, "acc": partition / 10})
         return Message(RecordDict({"arrays": arrays, "metrics": metrics}), reply_to=msg)
 
     @app.evaluate()
@@ -454,9 +520,22 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     assert seen == [[200.0, 300.0, 400.0]]  # partition 0's rejected reply is not among them
     train = result.train_metrics_clientapp[1]
-    assert train["train_loss"] == pytest.approx((1 * 200 + 2 * 300 + 3 * 400) / 900) and train["accepted"] == 3
+    # FedAvg's weighted mean of every metric, named train_<key>; the client's own train_loss wins over its loss.
+    assert train["train_loss"] == pytest.approx(10 * (1 * 200 + 2 * 300 + 3 * 400) / 900) and train["accepted"] == 3
+    assert train["train_acc"] == pytest.approx((1 * 200 + 2 * 300 + 3 * 400) / 9000)
     # FedAvg's weighted mean, as asked: the liar's 900,000 examples at accuracy 0 outweigh the rest.
     assert result.evaluate_metrics_clientapp[1]["accuracy"] == pytest.approx(0.9 * 300 / 900_300)
+
+    # The default: every metric, trimmed of num_byzantine values at each end, then weighted (partition 2's).
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, progress=False)
+    grid = InProcessGrid(app, 4, seed=0)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1,
+                                evaluate_fn=lambda r, a: MetricRecord({"accuracy": 0.5, "loss": 1.0}))
+    train = result.train_metrics_clientapp[1]
+    assert (train["train_loss"], train["train_acc"]) == (pytest.approx(20.0), pytest.approx(0.2))
+    assert "train_num-examples" not in train
+    assert dict(result.evaluate_metrics_serverapp[1]) == {"accuracy": 0.5, "loss": 1.0}  # what evaluate_fn said
 
 
 @pytest.mark.parametrize(
@@ -513,6 +592,10 @@ def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
         RobustStrategy(aggregator="mean", num_byzantine=2, progress=False)
     said = [r for r in caplog.records if "the plain mean tolerates no faulty reply" in r.getMessage()]
     assert len(said) == 1  # once a process
+    robust_strategy._said["f=0"] = False
+    RobustStrategy(progress=False)  # FedAvg swapped out, num_byzantine left at its default
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("num_byzantine=0: aggregator")]
+    assert len(said) == 1 and "tolerates no faulty node" in said[0]
 
 
 def test_a_plain_function_or_a_built_object_is_the_rule_itself() -> None:
@@ -670,7 +753,7 @@ def test_a_model_that_fits_its_data_is_not_rolled_back_for_noise_but_an_explosio
                                 evaluate_fn=scripted_loss)
     rows = result.evaluate_metrics_serverapp
     # The rollback halves the server lr (lr_decay) and round 3 is the second attempt's.
-    assert [rows[r]["server_lr"] for r in (1, 2, 3)] == [1.0, 1.0, 0.5]
+    assert [result.train_metrics_clientapp[r]["server_lr"] for r in (1, 2, 3)] == [1.0, 1.0, 0.5]
     assert [rows[r]["loss"] for r in (1, 2, 3)] == [1e-6, 5e-5, 4e-5]
     assert next(losses, None) is None  # round 3 was evaluated twice
 
