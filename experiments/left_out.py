@@ -93,6 +93,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.left_out", description=__doc__.splitlines()[0])
     parser.add_argument("dirs", type=Path, nargs="+", help="study output directories (experiments.study --out)")
     args = parser.parse_args(argv)
+    missing = [str(d) for d in args.dirs if not d.is_dir()]
+    if missing:
+        parser.error(f"no such directory: {', '.join(missing)}")
     try:
         tallies = tally(worst_case.labelled_results(args.dirs))
     except ValueError as err:  # hold-out sweeps beside test-set ones

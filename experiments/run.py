@@ -92,6 +92,11 @@ def _field_hint(key: str) -> tuple[Any, list[str]] | None:
     return None
 
 
+def valid_keys_of(table: Any) -> list[str]:
+    """The keys of a table of settings (a RunConfig dataclass), sorted."""
+    return sorted(get_type_hints(table))
+
+
 def _in_parameter_table(key: str) -> bool:
     """Whether RunConfig setting ``key`` is a parameter table (``aggregator.params``) or a key inside one."""
     node: Any = RunConfig
@@ -169,8 +174,23 @@ def override_problems(args: Sequence[str]) -> list[str]:
                 problems.append(f"{key}={format_value(value)}: unknown choice; valid choices in {key}: "
                                 f"{', '.join(names)}")
             continue
+        if dataclasses.is_dataclass(hint) and not (CONF_DIR / key).is_dir():
+            # A table of settings (client, fault, ...), not a group: Hydra's answer is a type error.
+            problems.append(f"{key}={format_value(value)}: {key} is a table of settings, not a choice: set "
+                            f"its keys, e.g. {key}.{valid_keys_of(hint)[0]}=...; valid keys in {key}: "
+                            f"{valid_keys_of(hint)}")
+            continue
+        if hint is str and value is None:
+            problems.append(f"{key}=null: must be a string")
+            continue
         if dataclasses.is_dataclass(hint) or hint is str:
             continue  # a group choice, or a string: Hydra turns any scalar into one
+        if override.is_add():
+            problems.append(f"+{key}={format_value(value)}: {key} is a setting already: drop the '+'")
+            continue
+        if hint is int and isinstance(value, float):  # OmegaConf takes no 2.0 for an integer setting
+            problems.append(f"{key}={format_value(value)}: must be an integer")
+            continue
         if isinstance(value, str):
             if "${" in value:
                 continue  # an interpolation, resolved by Hydra
@@ -185,6 +205,38 @@ def override_problems(args: Sequence[str]) -> list[str]:
             coerce(hint, value, key)
         except ValueError as err:
             problems.append(str(err))
+    wrong = {line.split("=", 1)[0] for line in problems}  # a value that is wrong already: said once
+    return problems + [line for line in _unused_settings(parsed) if line.split("=", 1)[0] not in wrong]
+
+
+def _unused_settings(parsed: Sequence[Any]) -> list[str]:
+    """Settings given on the command line that the chosen group does not read: server_optimizer.momentum
+    with fedavg, partition.alpha with iid. The run would go on as if they were not given."""
+    from fedrobust.server_optim import PARAMS as OPTIMIZER_PARAMS
+
+    chosen = {"server_optimizer": RunConfig().server_optimizer.name, "partition": RunConfig().partition.name}
+    given: list[tuple[str, Any]] = []
+    for override in parsed:
+        if override.package is not None or override.is_delete() or override.is_sweep_override():
+            continue
+        key = override.key_or_group
+        group = key.removesuffix(".name")
+        if group in chosen and isinstance(override.value(), str):
+            chosen[group] = override.value()
+        else:
+            given.append((key, override.value()))
+    readers = {
+        **{f"server_optimizer.{name}": ("server_optimizer", [o for o, ps in OPTIMIZER_PARAMS.items() if name in ps])
+           for name in ("momentum", "beta_1", "beta_2", "tau")},
+        "partition.alpha": ("partition", ["dirichlet"]),
+        "partition.classes_per_partition": ("partition", ["pathological"]),
+    }
+    problems = []
+    for key, value in given:
+        if key in readers and chosen[readers[key][0]] not in readers[key][1]:
+            group, users = readers[key]
+            problems.append(f"{key}={format_value(value)}: {group}={chosen[group]} does not use it (only "
+                            f"{', '.join(users)}); choose one of those, or leave the setting out")
     return problems
 
 
@@ -215,7 +267,13 @@ def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    from fedrobust.strategies.errors import EXIT_PREEMPTED, AggregationError, Preempted, QuorumError
+    from fedrobust.strategies.errors import (
+        EXIT_PREEMPTED,
+        AggregationError,
+        CheckpointStorageError,
+        Preempted,
+        QuorumError,
+    )
 
     run_cfg = checked_run_config(cfg)
     # Imported once the config is known to be good: Ray and Flower take seconds to import.
@@ -250,9 +308,11 @@ def main(cfg: DictConfig) -> float:
         sys.exit(EXIT_PREEMPTED)
     # QuorumError: also NoNodesError and ClientFailureError, nothing (more) could be trained. The
     # checkpoint errors: a resume refused (other settings; none of the checkpoints verifies). A Hub data set
-    # that could not be read (offline, no local copy). A rule that raised on a round's replies.
+    # that could not be read (offline, no local copy). A rule that raised on a round's replies. A checkpoint
+    # storage that cannot be used (not writable, no credentials).
     except (
-        QuorumError, AggregationError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError
+        QuorumError, AggregationError, CheckpointMismatchError, NoValidCheckpointError, DataUnavailableError,
+        CheckpointStorageError,
     ) as failed:
         if _full_error():
             raise
@@ -271,11 +331,55 @@ def _remember_early_signal(signum: int, _frame: object) -> None:
     EARLY_SIGNALS.append(signum)
 
 
+def sweep_problems(args: Sequence[str]) -> list[str]:
+    """Every job of a multirun sweep, composed and checked before the first one starts: Hydra's launcher
+    stops at the first job that fails, after running those before it and leaving the rest unrun.
+
+    One line per problem, led by the job's number and swept values; empty when every job is valid.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from omegaconf.errors import OmegaConfBaseException
+
+    from fedrobust.run_setup import config_problems
+
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    except HydraException:
+        return []  # a syntax error or a sweep type Hydra's sweeper refuses: Hydra says so
+    swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
+    problems: list[str] = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for number, job in enumerate(jobs):
+            label = f"job {number} ({' '.join(o for o in job if o.partition('=')[0] in swept)})"
+            found = override_problems(job)
+            if not found:
+                try:
+                    cfg = compose(config_name="config", overrides=with_parameter_tables(job))
+                    found = config_problems(to_run_config(cfg), local_devices=True)
+                except ConfigError as err:
+                    found = list(err.problems)
+                except (HydraException, OmegaConfBaseException) as err:
+                    found = [" ".join(str(err).split())]
+            problems += [f"{label}: {line}" for line in found]
+    return problems
+
+
+def _is_multirun(args: Sequence[str]) -> bool:
+    return any(a in ("-m", "--multirun") for a in args)
+
+
 def cli() -> None:
-    """``python -m experiments.run``: check the overrides' types, then let Hydra compose and run."""
+    """``python -m experiments.run``: check the overrides' types (every job's, for a sweep), then let Hydra
+    compose and run."""
     signal.signal(signal.SIGTERM, _remember_early_signal)
     signal.signal(signal.SIGINT, _remember_early_signal)
     problems = override_problems(sys.argv[1:])
+    if not problems and _is_multirun(sys.argv[1:]):
+        problems = sweep_problems(sys.argv[1:])
+        if problems:
+            problems.append("no job of the sweep was started")
     if problems and not _full_error():
         _exit_invalid(problems)
     sys.argv[1:] = with_parameter_tables(sys.argv[1:])

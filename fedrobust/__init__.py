@@ -36,6 +36,7 @@ _EXPORTS = {
     "RoundIntake": "fedrobust.strategies.robust_strategy",
     "QuorumError": "fedrobust.strategies.errors",
     "AggregationError": "fedrobust.strategies.errors",
+    "CheckpointStorageError": "fedrobust.strategies.errors",
     "ClientFailureError": "fedrobust.strategies.errors",
     "NoNodesError": "fedrobust.strategies.errors",
     "Preempted": "fedrobust.strategies.errors",
@@ -50,6 +51,7 @@ _EXPORTS = {
 
 __all__ = [
     "AggregationError",
+    "CheckpointStorageError",
     "CheckpointStore",
     "ClientFailureError",
     "EXIT_PREEMPTED",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
     from fedrobust.strategies.errors import (
         EXIT_PREEMPTED,
         AggregationError,
+        CheckpointStorageError,
         ClientFailureError,
         NoNodesError,
         Preempted,

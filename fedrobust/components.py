@@ -303,6 +303,14 @@ def load_partition(cfg: RunConfig, partition_id: int, num_partitions: int) -> Te
     return TensorDataset(x.index_select(0, chosen), y.index_select(0, chosen))
 
 
+def training_size(cfg: RunConfig) -> int | None:
+    """Examples the clients' partitions are cut from (the training set minus the validation hold-out), where
+    the server knows it: a user loader's and digits'; None for data sets read on the clients."""
+    if cfg.dataset._target_:
+        return len(_user_holdout(cfg)[0])
+    return data.training_size(cfg.dataset.name, seed=cfg.seed, validation_fraction=cfg.dataset.validation_fraction)
+
+
 def _user_holdout(cfg: RunConfig) -> tuple[np.ndarray, np.ndarray]:
     """(kept, held out) indices of the user training set for ``dataset.validation_fraction``."""
     return data.holdout_split(user_data(cfg).train.tensors[1].numpy(), cfg.dataset.validation_fraction, cfg.seed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
@@ -370,7 +371,8 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         # A quoted number ('2' in a --run-config or a TOML file) is the number, as OmegaConf takes it in Hydra.
         value = _number_in(value)
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                or int(value) != value:
             raise ValueError(f"{key}={format_value(value)}: must be an integer")
         return int(value)
     if hint is float:
@@ -546,7 +548,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return 0
     stale = 0
     for path in [Path(p) for p in (args.pyproject or [p for p in APP_PYPROJECTS if Path(p).exists()])]:
-        text = path.read_text()
+        try:
+            text = path.read_text()
+            tomllib.loads(text)  # a pyproject.toml, not another file a table would be appended to
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+            parser.error(f"{path}: not a readable pyproject.toml ({err})")
         new = replace_run_config_block(text)
         if new == text:
             print(f"{path}: up to date")

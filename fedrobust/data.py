@@ -398,6 +398,14 @@ def _resolve_data_dir(name: str, data_dir: str | os.PathLike[str] | None) -> str
 _Arrays = tuple[np.ndarray, np.ndarray]
 
 
+def training_size(name: str, *, seed: int, validation_fraction: float = 0.0) -> int | None:
+    """Examples in data set ``name``'s training split (minus the validation hold-out), where known without
+    reading files that may live on the clients only (digits); None otherwise."""
+    if name != "digits":
+        return None
+    return len(_digits_splits(seed, validation_fraction)[0])
+
+
 @functools.lru_cache(maxsize=8)
 def _digits_splits(seed: int, validation_fraction: float = 0.0) -> tuple[datasets.Dataset, _Arrays, _Arrays]:
     """The digits training split (minus the validation hold-out) as a Hugging Face dataset; the test split and

@@ -127,7 +127,7 @@ def add(out: Path, clients: int) -> list[str]:
         ``out`` holds no trust store (make one without ``--add``), or one to which a client's key file is
         unknown (the folder and its trust store do not belong together).
     """
-    store = TrustStore.load(out / TRUST_DIR)
+    store = _existing_store(out)
     trusted = store.partitions()
     lines = []
     for index in range(clients):
@@ -149,6 +149,14 @@ def add(out: Path, clients: int) -> list[str]:
     return lines
 
 
+def _existing_store(out: Path) -> TrustStore:
+    """The trust store ``out`` holds; ValueError saying how to make one where it holds none."""
+    if not (out / TRUST_DIR).is_dir():
+        raise ValueError(f"{out} holds no trust store ({out / TRUST_DIR}): make the keys first, without --add or "
+                         f"--replace (python -m fedrobust.keygen --out {out} --clients N)")
+    return TrustStore.load(out / TRUST_DIR)
+
+
 def replace(out: Path, indices: Sequence[int]) -> list[str]:
     """A new key pair for each client of ``indices``; the trust store then trusts the new keys only.
 
@@ -157,10 +165,13 @@ def replace(out: Path, indices: Sequence[int]) -> list[str]:
     ValueError
         ``out`` holds no trust store, or it trusts no key of one of the clients.
     """
-    store = TrustStore.load(out / TRUST_DIR)
+    store = _existing_store(out)
+    negative = sorted(i for i in set(indices) if i < 0)
+    if negative:
+        raise ValueError(f"--replace takes client ids >= 0, got {negative}")
     unknown = sorted(set(indices) - store.partitions())
     if unknown:
-        raise ValueError(f"{out / TRUST_DIR} trusts no key of client(s) {unknown}: add them with --add")
+        raise ValueError(f"{out / TRUST_DIR} trusts no key of client(s) {unknown}: add them with --clients N --add")
     lines = []
     for index in sorted(set(indices)):
         old = store.remove_partition(index)

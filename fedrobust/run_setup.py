@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedrobust import aggregators, attacks, components, data, models
+from fedrobust import aggregators, attacks, components, data, models, signing
 from fedrobust.config import (
     CHECKPOINT_INTERVAL_AUTO,
     RESUME_MODES,
@@ -78,7 +78,10 @@ def _check_pipeline(cfg: RunConfig, problems: list[str]) -> tuple[bool, bool]:
     if not cfg.aggregator._target_ and cfg.rule() not in aggregators.names():
         unknown.append(f"rule {cfg.rule()!r}")
     rule_ok = not unknown
-    if unknown:
+    order = aggregators.pipeline_order_hint(cfg.aggregator.name) if not cfg.aggregator._target_ else None
+    if order is not None:
+        _problem(problems, "aggregator.name", cfg.aggregator.name, order)
+    elif unknown:
         _problem(
             problems, "aggregator.name", cfg.aggregator.name,
             f"unknown {' and '.join(unknown)}; valid choices: a rule ({', '.join(sorted(aggregators.names()))}), "
@@ -86,7 +89,12 @@ def _check_pipeline(cfg: RunConfig, problems: list[str]) -> tuple[bool, bool]:
             "'+' (e.g. 'winsorize+nnm+trimmed_mean')",
         )
     listed = cfg.listed_pre_aggregators()
-    valid = [_choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in listed]  # each reported
+    joined = [pre for pre in listed if aggregators.PIPELINE_SEPARATOR in pre]
+    for pre in joined:  # a pipeline's '+' in the list of pre-aggregators
+        _problem(problems, "aggregator.pre", pre,
+                 f"aggregator.pre separates its names with commas: aggregator.pre='{','.join(pre.split('+'))}' "
+                 f"(quoted for Hydra), or name the whole pipeline: aggregator.name={pre}+{cfg.aggregator.name}")
+    valid = [pre not in joined and _choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in listed]
     pre_ok = all(valid)
     if listed and named_pre:
         _problem(
@@ -109,12 +117,18 @@ def build_aggregator(cfg: RunConfig) -> aggregators.Aggregator:
     )
 
 
+SEED_MAX = 2**32 - 1
+
+
 def _check_counts(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "num_clients", cfg.num_clients, 1)
     _at_least(problems, "num_rounds", cfg.num_rounds, 1)
     _at_least(problems, "num_byzantine", cfg.num_byzantine, 0)
-    # NumPy's seed sequences (byzantine_partitions, data partitions) take non-negative seeds only.
+    # NumPy's seed sequences (byzantine_partitions, data partitions) take non-negative seeds only, and
+    # scikit-learn's random_state (the digits split) 32-bit ones.
     _at_least(problems, "seed", cfg.seed, 0)
+    if cfg.seed > SEED_MAX:
+        _problem(problems, "seed", cfg.seed, f"must be <= {SEED_MAX} (2**32 - 1)")
     if cfg.num_clients >= 1 and cfg.num_byzantine >= cfg.num_clients:
         _problem(problems, "num_byzantine", cfg.num_byzantine, f"must be < num_clients ({cfg.num_clients})")
     if cfg.num_clients >= 1 and not 1 <= cfg.clients_per_round <= cfg.num_clients:
@@ -157,6 +171,11 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
             _problem(problems, "attack.params", cfg.attack.params, str(err))
     elif cfg.attack.name == "none" and cfg.attack.params:
         _problem(problems, "attack.params", cfg.attack.params, "attack=none takes no parameters")
+    label = getattr(attack, "target", None)  # a backdoor's target label
+    if spec is not None and isinstance(label, int) and not 0 <= label < spec.num_classes:
+        _problem(problems, "attack.params.target", label,
+                 f"must be a label in [0, {spec.num_classes - 1}] ({components.dataset_label(cfg.dataset)} has "
+                 f"{spec.num_classes} classes)")
     if not rule_ok or cfg.num_byzantine < 0:
         return
     try:
@@ -267,6 +286,12 @@ def _check_partition(cfg: RunConfig, problems: list[str]) -> None:
             spec = None
     elif cfg.dataset.name in data.DATASETS:
         spec = data.dataset_spec(cfg.dataset.name)
+    if spec is not None and 0 <= cfg.seed <= SEED_MAX and 0 <= cfg.dataset.validation_fraction < 1:
+        size = components.training_size(cfg)
+        if size is not None and cfg.num_clients > size:
+            _problem(problems, "num_clients", cfg.num_clients,
+                     f"{components.dataset_label(cfg.dataset)} has {size} training examples to partition "
+                     f"(after dataset.validation_fraction={cfg.dataset.validation_fraction:g}): at most {size} clients")
     if spec is not None:
         num_classes = spec.num_classes
         if not 1 <= cfg.partition.classes_per_partition <= num_classes:
@@ -374,12 +399,25 @@ def _check_checkpoint_basics(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "checkpoint.keep", cfg.checkpoint.keep, 1)
     _at_least(problems, "checkpoint.every_seconds", cfg.checkpoint.every_seconds, 0, " (0: no time-based saves)")
     _choice(problems, "checkpoint.resume", cfg.checkpoint.resume, RESUME_MODES)
-    ckpt_dir = cfg.checkpoint.dir
-    if ckpt_dir and "://" not in ckpt_dir:
-        _local_dir(problems, "checkpoint.dir", ckpt_dir, "a directory or URL")
-    mirror = cfg.checkpoint.mirror
-    if mirror and "://" not in mirror:  # a local mirror (a mounted share): the same check as the directory
-        _local_dir(problems, "checkpoint.mirror", mirror, "a directory or URL")
+    for key, where in (("checkpoint.dir", cfg.checkpoint.dir), ("checkpoint.mirror", cfg.checkpoint.mirror)):
+        if where and "://" in where:
+            _storage_url(problems, key, where)
+        elif where:  # a local directory (for the mirror, a mounted share)
+            _local_dir(problems, key, where, "a directory or URL")
+
+
+def _storage_url(problems: list[str], key: str, url: str) -> None:
+    """A URL whose file system fsspec knows and can load here (its package installed)."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        _problem(problems, key, url, f"unknown storage protocol {protocol!r}; e.g. a local path, file://, s3://, "
+                                     "gs:// (fsspec's file systems)")
+    except ImportError as err:
+        _problem(problems, key, url, f"{protocol}:// needs a package not installed here: {err}")
 
 
 def _check_resources(cfg: RunConfig, problems: list[str], local_devices: bool) -> None:
@@ -388,7 +426,17 @@ def _check_resources(cfg: RunConfig, problems: list[str], local_devices: bool) -
         _problem(
             problems, "signing.trust_dir", trust_dir, "no such directory (the trust store made by fedrobust.keygen)"
         )
+    elif trust_dir:
+        try:
+            signing.TrustStore.load(trust_dir)
+        except (OSError, ValueError) as err:
+            _problem(problems, "signing.trust_dir", trust_dir, " ".join(str(err).split()))
     _positive(problems, "simulation.client_cpus", cfg.simulation.client_cpus)
+    cores = os.cpu_count() or 1
+    if local_devices and cfg.simulation.client_cpus > cores:
+        # Ray could place no client, and its actor pool fails after a long wait.
+        _problem(problems, "simulation.client_cpus", cfg.simulation.client_cpus,
+                 f"more than the {cores} CPU cores here: no client could be placed")
     _at_least(problems, "simulation.client_gpus", cfg.simulation.client_gpus, 0)
     if cfg.simulation.client_gpus > 0 and local_devices and not torch.cuda.is_available():
         # Ray would wait forever for a GPU to schedule the clients on.

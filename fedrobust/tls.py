@@ -29,6 +29,7 @@ import argparse
 import datetime
 import ipaddress
 import logging
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -67,11 +68,24 @@ def _general_name(host: str) -> x509.GeneralName:
     try:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
-        # Not an IP address: a DNS name, which x509 wants as IDNA/ASCII.
-        try:
-            return x509.DNSName(host.encode("idna").decode("ascii"))
-        except UnicodeError:
-            raise ValueError(f"host {host!r} is neither an IP address nor a valid DNS name") from None
+        pass
+    if ":" in host or "/" in host:  # a port or a URL: the certificate names the host alone
+        raise ValueError(f"host {host!r}: give the host alone, without scheme or port (e.g. 'fl.example.org' or "
+                         "'10.0.0.5'); clients dial the port with --superlink")
+    if _DOTTED_NUMBERS.fullmatch(host):
+        raise ValueError(f"host {host!r} is not a valid IP address")
+    # A DNS name, which x509 wants as IDNA/ASCII: labels of letters, digits and hyphens.
+    try:
+        ascii_name = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        ascii_name = ""
+    if not all(_DNS_LABEL.fullmatch(label) for label in ascii_name.rstrip(".").split(".")):
+        raise ValueError(f"host {host!r} is neither an IP address nor a valid DNS name")
+    return x509.DNSName(ascii_name)
+
+
+_DOTTED_NUMBERS = re.compile(r"[0-9.]+")
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def _check_writable(paths: Iterable[Path], overwrite: bool) -> None:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "strategy_from_config": "from_config",
     "QuorumError": "errors",
     "AggregationError": "errors",
+    "CheckpointStorageError": "errors",
     "ClientFailureError": "errors",
     "NoNodesError": "errors",
     "Preempted": "errors",
@@ -26,6 +27,7 @@ _EXPORTS = {
 __all__ = [
     "EXIT_PREEMPTED",
     "AggregationError",
+    "CheckpointStorageError",
     "ClientFailureError",
     "NoNodesError",
     "Preempted",
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from fedrobust.strategies.errors import (
         EXIT_PREEMPTED,
         AggregationError,
+        CheckpointStorageError,
         ClientFailureError,
         NoNodesError,
         Preempted,

@@ -37,6 +37,7 @@ from fedrobust.checkpoint_interval import AdaptiveInterval
 from fedrobust.checkpoint_mirror import MirroredStore, open_store
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO
 from fedrobust.dir_lock import DirectoryLock
+from fedrobust.strategies.errors import CheckpointStorageError
 
 log = logging.getLogger(__name__)
 
@@ -125,14 +126,19 @@ class RoundCheckpointer:
         self.store: CheckpointStore | MirroredStore | None = None
         if url is not None:
             remote_options = dict(storage_options) if storage_options else None
-            self.store = open_store(
-                url,
-                keep=keep,
-                full_every=full_every,
-                storage_options=None if mirror is not None else remote_options,
-                mirror=mirror,
-                mirror_storage_options=remote_options if mirror is not None else None,
-            )
+            try:
+                self.store = open_store(
+                    url,
+                    keep=keep,
+                    full_every=full_every,
+                    storage_options=None if mirror is not None else remote_options,
+                    mirror=mirror,
+                    mirror_storage_options=remote_options if mirror is not None else None,
+                )
+            except (ValueError, TypeError):
+                raise  # the arguments' own errors
+            except Exception as err:  # the storage's: a missing package, no credentials, no such bucket
+                raise CheckpointStorageError(f"checkpoint storage {url!r} cannot be used: {_reason(err)}") from err
         self.url = url
         self.mirror = mirror
         local = self.store.local_dir if self.store is not None else None
@@ -372,7 +378,7 @@ def _check_writable(url: str) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise ValueError(f"checkpoint directory {url!r} is not writable: {err.strerror or err}") from None
+        raise CheckpointStorageError(f"checkpoint directory {url!r} is not writable: {err.strerror or err}") from None
 
 
 def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -24,6 +24,11 @@ class AggregationError(RuntimeError):
     message names the rule, the round and the error; the cause is the rule's own exception."""
 
 
+class CheckpointStorageError(ValueError):
+    """The checkpoint directory or mirror cannot be used (not writable, no credentials, ...): nothing was
+    trained; the message names the location and the storage's own reason."""
+
+
 class Preempted(RuntimeError):
     """The run was asked to stop (SIGTERM/SIGINT).
 

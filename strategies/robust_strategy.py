@@ -47,7 +47,7 @@ from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.tensors import flatten
 from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
-from fedrobust.validation import NORM_TOO_LARGE, Rejection, check_num_examples
+from fedrobust.validation import BAD_NUM_EXAMPLES, NORM_TOO_LARGE, Rejection, check_num_examples
 
 log = logging.getLogger(__name__)
 
@@ -507,8 +507,19 @@ class RobustStrategy(Strategy):
             ("on_start", on_start), ("update_hook", update_hook), ("server_update_fn", server_update_fn),
         ):
             _check(function is None or callable(function), f"{name} must be a function or None, got {function!r}")
-        _check(metrics_path is None or isinstance(metrics_path, str | os.PathLike),
-               f"metrics_path must be a path or None, got {metrics_path!r} ({type(metrics_path).__name__})")
+        for name, path in (("metrics_path", metrics_path), ("checkpoint_dir", checkpoint_dir)):
+            _check(path is None or isinstance(path, str | os.PathLike),
+                   f"{name} must be a path or None, got {path!r} ({type(path).__name__})")
+        _check(metrics_path is None or not Path(metrics_path).is_dir(),
+               f"metrics_path must be a file (one JSON line per round), got the directory {metrics_path!r}")
+        _check(signing is None or isinstance(signing, TrustStore | str | os.PathLike),
+               f"signing must be a TrustStore, the path of one, or None, got {signing!r} ({type(signing).__name__})")
+        for name, table in (("aggregator_params", aggregator_params), ("server_optimizer_params",
+                            server_optimizer_params), ("settings", settings)):
+            _check(table is None or isinstance(table, Mapping),
+                   f"{name} must be a mapping of names to values, got {table!r} ({type(table).__name__})")
+        _check(liveness is None or isinstance(liveness, LivenessConfig | Mapping),
+               f"liveness must be a LivenessConfig, a mapping of its fields or None, got {liveness!r}")
         num_byzantine, min_train_nodes, min_evaluate_nodes, min_available_nodes = (
             _as_integer(name, value) for name, value in (
                 ("num_byzantine", num_byzantine), ("min_train_nodes", min_train_nodes),
@@ -520,6 +531,8 @@ class RobustStrategy(Strategy):
             for name, value in (("max_round_retries", max_round_retries), ("over_select", over_select), ("seed", seed))
         )
         _check(num_byzantine >= 0, f"num_byzantine must be an integer >= 0, got {num_byzantine!r}")
+        _check(0 <= seed < 2**32, f"seed must be an integer in [0, 2**32), got {seed!r}")
+        _check(math.isfinite(server_lr), f"server_lr must be finite, got {server_lr!r}")
         _check(0.0 < fraction_train <= 1.0,
                f"fraction_train must be in (0, 1], got {fraction_train!r}: RobustStrategy trains in every round "
                "(Flower's FedAvg takes 0 for evaluation only)")
@@ -1372,7 +1385,10 @@ def _rejections_text(outcome: RoundOutcome, tolerated: int, shown: int = 3) -> s
     return f"; rejected {total}: {parts}{hint}"
 
 
-_BOUND_SETTINGS = {NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config"}
+_BOUND_SETTINGS = {
+    NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config",
+    BAD_NUM_EXAMPLES: "max_num_examples, validation.max_num_examples in the run config",
+}
 
 
 def _train_named(aggregated: Mapping[str, Any]) -> dict[str, float]:

@@ -29,10 +29,26 @@ from fedrobust.aggregators import fltrust  # noqa: F401  isort: skip
 import torch  # isort: skip
 
 from fedrobust.aggregators._backend import numba_kernels
-from fedrobust.aggregators._registry import PIPELINE_SEPARATOR, build, names, pre_names, split_pipeline
+from fedrobust.aggregators._registry import (
+    PIPELINE_SEPARATOR,
+    build,
+    names,
+    pipeline_order_hint,
+    pre_names,
+    split_pipeline,
+)
 from fedrobust.aggregators.pipeline import Aggregator
 
-__all__ = ["PIPELINE_SEPARATOR", "Aggregator", "build", "load_kernels", "names", "pre_names", "split_pipeline"]
+__all__ = [
+    "PIPELINE_SEPARATOR",
+    "Aggregator",
+    "build",
+    "load_kernels",
+    "names",
+    "pipeline_order_hint",
+    "pre_names",
+    "split_pipeline",
+]
 
 
 def load_kernels(device: torch.device | str = "cpu") -> bool:

@@ -66,6 +66,23 @@ def split_pipeline(name: str) -> tuple[list[str], str]:
     return pre, rule
 
 
+def pipeline_order_hint(name: str) -> str | None:
+    """What to write instead of a pipeline whose stages are all known but out of order (a rule before a
+    pre-aggregator: ``'krum+nnm'``), or None where the order is not the problem."""
+    stages = [stage.strip() for stage in name.split(PIPELINE_SEPARATOR)]
+    if any(s not in _RULES and s not in _PRES for s in stages):
+        return None
+    # DnC is both a rule and a pre-aggregator: only a rule that is no pre-aggregator is out of place early.
+    misplaced = [s for s in stages[:-1] if s not in _PRES]
+    if stages[-1] in _RULES and not misplaced:
+        return None  # in order
+    rules = misplaced + ([stages[-1]] if stages[-1] not in _PRES else [])
+    if len(rules) != 1:
+        return f"a pipeline is pre-aggregators and then exactly one rule; {name!r} names {len(rules)} rules"
+    ordered = PIPELINE_SEPARATOR.join([*(s for s in stages if s not in rules), *rules])
+    return f"the rule goes last, after its pre-aggregators: {ordered!r}"
+
+
 # The other ways to name a rule, for the error of an unknown name.
 _OTHER_RULE_FORMS = (
     f"; or pre-aggregators and then a rule joined with {PIPELINE_SEPARATOR!r} (e.g. 'winsorize+nnm+trimmed_mean'; "
@@ -143,6 +160,8 @@ def build(
     Aggregator(trimmed_mean (after winsorize, nnm), f=1)
     """
     if isinstance(name, str) and PIPELINE_SEPARATOR in name:
+        if (hint := pipeline_order_hint(name)) is not None:
+            raise ValueError(f"aggregator {name!r}: {hint}")
         named_pre, rule_name = split_pipeline(name)
         if pre:
             given = [item if isinstance(item, str) else item.get("name", "?") for item in _pre_items(pre)]

@@ -569,6 +569,14 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         ({"metrics_path": 123}, r"^metrics_path must be a path or None, got 123 \(int\)"),
         ({"liveness": {"dead_afterr": 3}}, r"liveness: unknown key\(s\) \['dead_afterr'\]; valid keys: .*'dead_after'"),
         ({"aggregator": "median", "pre": [{"threshold": 5}]}, r"pre-aggregator \{'threshold': 5\} has no 'name'"),
+        ({"checkpoint_dir": 5}, r"^checkpoint_dir must be a path or None, got 5 \(int\)"),
+        ({"metrics_path": "/tmp"}, r"^metrics_path must be a file \(one JSON line per round\), got the directory"),
+        ({"server_lr": float("inf")}, r"^server_lr must be finite, got inf"),
+        ({"seed": -1}, r"^seed must be an integer in \[0, 2\*\*32\), got -1"),
+        ({"aggregator_params": [("trim", 1)]}, r"^aggregator_params must be a mapping of names to values"),
+        ({"settings": 5}, r"^settings must be a mapping of names to values, got 5"),
+        ({"liveness": "fast"}, r"^liveness must be a LivenessConfig, a mapping of its fields or None, got 'fast'"),
+        ({"signing": 5}, r"^signing must be a TrustStore, the path of one, or None, got 5 \(int\)"),
     ],
 )
 def test_constructor_refuses_bad_arguments_with_a_clear_message(kwargs: dict, needle: str) -> None:
@@ -764,6 +772,12 @@ def test_a_norm_bound_too_low_for_the_model_names_the_setting_that_moves_it() ->
     with pytest.raises(QuorumError, match=r"rejected 4: 4x norm_too_large \(L2 norm \S+ > bound 1e-06\) \(if these "
                                           r"nodes are honest, raise the bound: max_update_norm, "
                                           r"validation.max_update_norm in the run config\)"):
+        _start_on_honest_nodes(strategy, 4)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_num_examples=1, max_round_retries=0,
+                              progress=False)
+    with pytest.raises(QuorumError, match=r"4x bad_num_examples \(\d+ not an integer in \[1, 1\]\) \(if these "
+                                          r"nodes are honest, raise the bound: max_num_examples, "
+                                          r"validation.max_num_examples in the run config\)"):
         _start_on_honest_nodes(strategy, 4)
 
 

@@ -16,6 +16,7 @@ import functools
 import io
 import logging
 import os
+import re
 import subprocess
 import sys
 import types
@@ -31,6 +32,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
 import experiments.run as run
+from fedrobust import aggregators
 from fedrobust.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,17 +76,18 @@ WRONG: dict[str, Wrong] = {
     "dataset.params": Wrong("{fraction:0.5}", '{"fraction": 0.5}', "dataset.name=digits takes no parameters"),
     "dataset.validation_fraction": Wrong("1.0", "1.0", "must be in [0, 1): the share of the training set held out"),
     "partition.name": Wrong("dirichlett", "dirichlett", "unknown choice; valid choices: dirichlet, iid, pathological"),
-    "partition.alpha": Wrong("0.0", "0.0", "must be > 0"),
-    "partition.classes_per_partition": Wrong("11", "11", "must be in [1, 10] (digits has 10 classes)"),
+    "partition.alpha": Wrong("0.0", "0.0", "must be > 0", ("partition=dirichlet",)),
+    "partition.classes_per_partition": Wrong("11", "11", "must be in [1, 10] (digits has 10 classes)",
+                                             ("partition=pathological",)),
     "model.name": Wrong("resnt", "resnt", "unknown choice; valid choices: cnn, mlp, resnet"),
     "model._target_": Wrong("no_such_pkg.Net", "no_such_pkg.Net", "cannot import 'no_such_pkg.Net'"),
     "model.params": Wrong("{hidden:-1}", '{"hidden": -1}', "mlp cannot be built with them"),
     "server_optimizer.name": Wrong("sgd", "sgd", "unknown choice; valid choices: fedadam, fedavg, fedavgm, fedyogi"),
     "server_optimizer.lr": Wrong("0.0", "0.0", "must be > 0"),
-    "server_optimizer.momentum": Wrong("1.0", "1.0", "must be in [0, 1)"),
-    "server_optimizer.beta_1": Wrong("-0.1", "-0.1", "must be in [0, 1)"),
-    "server_optimizer.beta_2": Wrong("1.5", "1.5", "must be in [0, 1)"),
-    "server_optimizer.tau": Wrong("0.0", "0.0", "must be > 0"),
+    "server_optimizer.momentum": Wrong("1.0", "1.0", "must be in [0, 1)", ("server_optimizer=fedavgm",)),
+    "server_optimizer.beta_1": Wrong("-0.1", "-0.1", "must be in [0, 1)", ("server_optimizer=fedadam",)),
+    "server_optimizer.beta_2": Wrong("1.5", "1.5", "must be in [0, 1)", ("server_optimizer=fedadam",)),
+    "server_optimizer.tau": Wrong("0.0", "0.0", "must be > 0", ("server_optimizer=fedadam",)),
     "server_optimizer.schedule": Wrong("linear", "linear", "unknown choice; valid choices: constant, cosine"),
     "server_optimizer.min_lr_ratio": Wrong("1.5", "1.5", "must be in [0, 1]"),
     "client.local_epochs": Wrong("0", "0", "must be >= 1"),
@@ -314,6 +317,71 @@ def test_real_hydra_app_exits_2_without_starting_the_engine(
     outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)
     _assert_one_problem(outcome, "client.lr=-0.1: ", "must be > 0")
     assert not engine_guard
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("krum+nnm", "the rule goes last, after its pre-aggregators: 'nnm+krum'"),
+        ("nnm+krum+median", "a pipeline is pre-aggregators and then exactly one rule; 'nnm+krum+median' names 2 rules"),
+        ("winsorize+nnm", "a pipeline is pre-aggregators and then exactly one rule; 'winsorize+nnm' names 0 rules"),
+    ],
+)
+def test_a_pipeline_out_of_order_says_the_order(
+    name: str, says: str, engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcome = _cli([f"aggregator.name={name}", "num_byzantine=1"], monkeypatch)
+    _assert_one_problem(outcome, f"aggregator.name={name}: ", says)
+    with pytest.raises(ValueError, match=re.escape(f"aggregator {name!r}: {says}")):
+        aggregators.build(name, f=1)
+    assert aggregators.pipeline_order_hint("dnc+trimmed_mean") is None  # DnC: a rule and a pre-aggregator
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        ("num_rounds=2.0", "num_rounds=2.0: must be an integer"),
+        ("num_rounds=nan", "num_rounds=nan: must be an integer"),
+        ("client=gpu", "client=gpu: client is a table of settings, not a choice: set its keys, e.g. client.amp=...; "),
+        ("aggregator.name=null", "aggregator.name=null: must be a string"),
+        ("+num_rounds=3", "+num_rounds=3: num_rounds is a setting already: drop the '+'"),
+        ("seed=4294967296", "seed=4294967296: must be <= 4294967295 (2**32 - 1)"),
+        ("num_clients=3000", "num_clients=3000: digits has 1437 training examples to partition"),
+        ("attack=backdoor", "attack.params.target=12: must be a label in [0, 9] (digits has 10 classes)"),
+        ("checkpoint.dir=ftp2://x/y", "checkpoint.dir=ftp2://x/y: unknown storage protocol 'ftp2'"),
+        ("aggregator.pre=nnm+bucketing", "aggregator.pre=nnm+bucketing: aggregator.pre separates its names with "
+                                         "commas: aggregator.pre='nnm,bucketing'"),
+        # Accepted and ignored, the run would go on as if they were not given.
+        ("server_optimizer.momentum=0.5", "server_optimizer.momentum=0.5: server_optimizer=fedavg does not use it "
+                                          "(only fedavgm)"),
+        ("partition.alpha=0.3", "partition.alpha=0.3: partition=iid does not use it (only dirichlet)"),
+    ],
+)
+def test_values_hydra_or_a_later_step_refused_with_a_traceback_get_one_line(
+    override: str, line: str, engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    extra = ["attack.params.target=12"] if override == "attack=backdoor" else []
+    outcome = _cli([override, *extra], monkeypatch, real_hydra=True)
+    assert outcome.code == 2 and "Traceback" not in outcome.stderr, outcome
+    assert any(p.strip().startswith(line) for p in outcome.stderr.splitlines()[1:]), outcome.stderr
+    assert not engine_guard
+
+
+def test_a_sweep_with_an_invalid_job_starts_none_and_names_each_bad_job(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Hydra's launcher would run job 0, stop at job 1 and leave job 2 unrun: every job is checked first."""
+    outcome = _cli(["-m", "num_rounds=1", "num_clients=6", "num_byzantine=1,-1,2", "aggregator=median,krumm",
+                    f"hydra.sweep.dir={tmp_path}"], monkeypatch, real_hydra=True)
+    assert outcome.code == 2 and "Traceback" not in outcome.stderr, outcome
+    problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
+    assert problems[0] == "job 1 (num_byzantine=1 aggregator=krumm): aggregator=krumm: unknown choice; valid " \
+        "choices in aggregator: " + ", ".join(sorted(p.stem for p in (ROOT / "conf" / "aggregator").glob("*.yaml")))
+    assert [p.split(":")[0] for p in problems[1:]] == [
+        "job 2 (num_byzantine=-1 aggregator=median)", "job 3 (num_byzantine=-1 aggregator=krumm)",
+        "job 5 (num_byzantine=2 aggregator=krumm)", "no job of the sweep was started"]
+    assert problems[1].endswith("num_byzantine=-1: must be >= 0")
+    assert not engine_guard and not any(tmp_path.iterdir())
 
 
 def test_full_error_raises_with_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:

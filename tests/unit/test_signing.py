@@ -700,8 +700,10 @@ def test_keygen_adds_a_device_and_replaces_a_leaked_key_keeping_the_others(tmp_p
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--clients", "2", "--add"], "no trust.json binding file"),
-        (["--replace", "7"], "trusts no key of client(s) [7]: add them with --add"),
+        (["--clients", "2", "--add"], "holds no trust store ("),
+        (["--replace", "1"], "make the keys first, without --add or --replace"),
+        (["--replace", "7"], "trusts no key of client(s) [7]: add them with --clients N --add"),
+        (["--replace", "-1"], "--replace takes client ids >= 0, got [-1]"),
     ],
 )
 def test_keygen_add_and_replace_refuse_what_does_not_fit(
@@ -710,7 +712,7 @@ def test_keygen_add_and_replace_refuse_what_does_not_fit(
     from fedrobust import keygen
 
     out = tmp_path / "keys"
-    if "--replace" in args:
+    if "--replace" in args and args[-1] != "1":
         assert keygen.main(["--out", str(out), "--clients", "2"]) == 0
     assert keygen.main(["--out", str(out), *args]) == 1
     assert message in capsys.readouterr().err

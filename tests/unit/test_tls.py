@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import re
 import ssl
 import stat
 import subprocess
@@ -96,6 +97,15 @@ def test_custom_hosts_and_bad_hosts(tmp_path: Path) -> None:
     for hosts in ((), ("",), "localhost"):
         with pytest.raises(ValueError, match="host"):
             generate_tls_certificates(tmp_path / "bad", hosts=hosts)
+    # A certificate no client would match: refused when it is made, not at the first connection.
+    for host, says in (("127.0.0.1:9092", "give the host alone, without scheme or port"),
+                       ("https://example.com", "give the host alone"), ("999.1.1.1", "is not a valid IP address"),
+                       ("not a host!!", "is neither an IP address nor a valid DNS name"),
+                       ("-lead.example", "is neither an IP address nor a valid DNS name")):
+        with pytest.raises(ValueError, match=re.escape(f"host {host!r}") + ".*" + re.escape(says)):
+            generate_tls_certificates(tmp_path / "bad", hosts=(host,))
+    assert not (tmp_path / "bad").exists()
+    generate_tls_certificates(tmp_path / "idna", hosts=("bücher.example",))  # an international name, as IDNA
     with pytest.raises(FileExistsError):
         generate_tls_certificates(tmp_path)
 
