@@ -224,6 +224,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def setting_problems(settings: dict[str, list[str]], args: argparse.Namespace) -> list[str]:
+    """Each setting's config, composed and validated as its first run would be: a value that is wrong
+    (client.lr=-1) fails here, not after the settings before it have run."""
+    from fedrobust.config import ConfigError
+
+    problems = []
+    for name, overrides in settings.items():
+        spec = study.RunSpec(partition=args.partitions[0], rule=args.rule, attack="none", seed=args.seeds[0])
+        extra = [f"dataset.validation_fraction={args.validation_fraction}", *overrides]
+        try:
+            study.compose({name: study.overrides_for(spec, rounds=args.rounds, extra=extra)})
+        except ConfigError as err:
+            problems += [f"--setting {name}: {line}" for line in err.problems]
+    return problems
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(args_list)
@@ -234,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, overrides in settings.items()
         for line in study.extra_problems(overrides)
     ]
+    if not problems and not args.report_only:
+        problems = setting_problems(settings, args)
     if args.report_only and not any(args.out.glob("*/*.json")):
         problems.append(f"--report-only: no results in {args.out}")
     if problems:

@@ -216,6 +216,8 @@ def test_study_takes_an_attack_by_its_hydra_file_name() -> None:
     [
         (["--rule", "krumm", "--setting", "base="], "--rule: rule 'krumm'"),
         (["--setting", "x=num_clinets=3"], "--setting x: num_clinets=3: unknown key"),
+        # A wrong value: found before the base setting's runs, not after them.
+        (["--setting", "base=", "--setting", "x=client.lr=-1"], "--setting x: client.lr=-1.0: must be > 0"),
         (["--setting", "base=", "--report-only"], "--report-only: no results in"),
     ],
 )
