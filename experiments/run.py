@@ -92,11 +92,6 @@ def _field_hint(key: str) -> tuple[Any, list[str]] | None:
     return None
 
 
-def valid_keys_of(table: Any) -> list[str]:
-    """The keys of a table of settings (a RunConfig dataclass), sorted."""
-    return sorted(get_type_hints(table))
-
-
 def _in_parameter_table(key: str) -> bool:
     """Whether RunConfig setting ``key`` is a parameter table (``aggregator.params``) or a key inside one."""
     node: Any = RunConfig
@@ -174,11 +169,11 @@ def override_problems(args: Sequence[str]) -> list[str]:
                 problems.append(f"{key}={format_value(value)}: unknown choice; valid choices in {key}: "
                                 f"{', '.join(names)}")
             continue
-        if dataclasses.is_dataclass(hint) and not (CONF_DIR / key).is_dir():
+        if dataclasses.is_dataclass(hint) and not (CONF_DIR / key).is_dir() and not isinstance(value, dict):
             # A table of settings (client, fault, ...), not a group: Hydra's answer is a type error.
+            keys = sorted(get_type_hints(hint))
             problems.append(f"{key}={format_value(value)}: {key} is a table of settings, not a choice: set "
-                            f"its keys, e.g. {key}.{valid_keys_of(hint)[0]}=...; valid keys in {key}: "
-                            f"{valid_keys_of(hint)}")
+                            f"its keys, e.g. {key}.{keys[0]}=...; valid keys in {key}: {keys}")
             continue
         if hint is str and value is None:
             problems.append(f"{key}=null: must be a string")
@@ -205,25 +200,33 @@ def override_problems(args: Sequence[str]) -> list[str]:
             coerce(hint, value, key)
         except ValueError as err:
             problems.append(str(err))
-    wrong = {line.split("=", 1)[0] for line in problems}  # a value that is wrong already: said once
-    return problems + [line for line in _unused_settings(parsed) if line.split("=", 1)[0] not in wrong]
+    return problems
 
 
-def _unused_settings(parsed: Sequence[Any]) -> list[str]:
-    """Settings given on the command line that the chosen group does not read: server_optimizer.momentum
-    with fedavg, partition.alpha with iid. The run would go on as if they were not given."""
+def unused_settings(args: Sequence[str]) -> list[str]:
+    """Settings of the command line (one run, or one job of a sweep) that its group choice does not read:
+    server_optimizer.momentum with fedavg, partition.alpha with iid. The run would go on as if they were
+    not given. Nothing is said while a group is swept (each job is checked on its own) or a setting is
+    wrong already (:func:`override_problems` says so)."""
     from fedrobust.server_optim import PARAMS as OPTIMIZER_PARAMS
 
-    chosen = {"server_optimizer": RunConfig().server_optimizer.name, "partition": RunConfig().partition.name}
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except HydraException:
+        return []
+    chosen: dict[str, str | None] = {
+        "server_optimizer": RunConfig().server_optimizer.name, "partition": RunConfig().partition.name
+    }
     given: list[tuple[str, Any]] = []
     for override in parsed:
-        if override.package is not None or override.is_delete() or override.is_sweep_override():
+        if override.package is not None or override.is_delete():
             continue
         key = override.key_or_group
         group = key.removesuffix(".name")
-        if group in chosen and isinstance(override.value(), str):
-            chosen[group] = override.value()
-        else:
+        if group in chosen:
+            value = override.value()
+            chosen[group] = value if isinstance(value, str) and not override.is_sweep_override() else None
+        elif not override.is_sweep_override():
             given.append((key, override.value()))
     readers = {
         **{f"server_optimizer.{name}": ("server_optimizer", [o for o, ps in OPTIMIZER_PARAMS.items() if name in ps])
@@ -233,7 +236,7 @@ def _unused_settings(parsed: Sequence[Any]) -> list[str]:
     }
     problems = []
     for key, value in given:
-        if key in readers and chosen[readers[key][0]] not in readers[key][1]:
+        if key in readers and chosen[readers[key][0]] not in (None, *readers[key][1]):
             group, users = readers[key]
             problems.append(f"{key}={format_value(value)}: {group}={chosen[group]} does not use it (only "
                             f"{', '.join(users)}); choose one of those, or leave the setting out")
@@ -352,7 +355,8 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
     problems: list[str] = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for number, job in enumerate(jobs):
-            label = f"job {number} ({' '.join(o for o in job if o.partition('=')[0] in swept)})"
+            values = " ".join(o for o in job if o.partition("=")[0] in swept)
+            label = f"job {number}" + (f" ({values})" if values else "")
             found = override_problems(job)
             if not found:
                 try:
@@ -375,7 +379,9 @@ def cli() -> None:
     compose and run."""
     signal.signal(signal.SIGTERM, _remember_early_signal)
     signal.signal(signal.SIGINT, _remember_early_signal)
-    problems = override_problems(sys.argv[1:])
+    # Unused settings are checked on the whole command line: a sweep over a group (partition=iid,dirichlet)
+    # with a setting for some of its choices (partition.alpha) is not refused for the others.
+    problems = override_problems(sys.argv[1:]) or unused_settings(sys.argv[1:])
     if not problems and _is_multirun(sys.argv[1:]):
         problems = sweep_problems(sys.argv[1:])
         if problems:

@@ -171,7 +171,7 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
             _problem(problems, "attack.params", cfg.attack.params, str(err))
     elif cfg.attack.name == "none" and cfg.attack.params:
         _problem(problems, "attack.params", cfg.attack.params, "attack=none takes no parameters")
-    label = getattr(attack, "target", None)  # a backdoor's target label
+    label = getattr(attack, "target", None) if cfg.attack.name == "backdoor" else None  # mimic's is a row
     if spec is not None and isinstance(label, int) and not 0 <= label < spec.num_classes:
         _problem(problems, "attack.params.target", label,
                  f"must be a label in [0, {spec.num_classes - 1}] ({components.dataset_label(cfg.dataset)} has "
@@ -410,14 +410,18 @@ def _storage_url(problems: list[str], key: str, url: str) -> None:
     """A URL whose file system fsspec knows and can load here (its package installed)."""
     import fsspec
 
-    protocol = url.split("://", 1)[0]
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except ValueError:
-        _problem(problems, key, url, f"unknown storage protocol {protocol!r}; e.g. a local path, file://, s3://, "
-                                     "gs:// (fsspec's file systems)")
-    except ImportError as err:
-        _problem(problems, key, url, f"{protocol}:// needs a package not installed here: {err}")
+    # A chained URL (simplecache::s3://...) names one file system per link.
+    for link in url.split("::"):
+        protocol = link.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:
+            _problem(problems, key, url, f"unknown storage protocol {protocol!r}; e.g. a local path, file://, "
+                                         "s3://, gs:// (fsspec's file systems)")
+            return
+        except ImportError as err:
+            _problem(problems, key, url, f"{protocol}:// needs a package not installed here: {err}")
+            return
 
 
 def _check_resources(cfg: RunConfig, problems: list[str], local_devices: bool) -> None:

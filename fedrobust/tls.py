@@ -65,27 +65,31 @@ class TlsFiles:
 def _general_name(host: str) -> x509.GeneralName:
     if not isinstance(host, str) or not host.strip():
         raise ValueError(f"host names must be non-empty strings, got {host!r}")
-    try:
-        return x509.IPAddress(ipaddress.ip_address(host))
+    try:  # an IPv6 address may come in URL brackets: [::1]
+        return x509.IPAddress(ipaddress.ip_address(host.removeprefix("[").removesuffix("]")))
     except ValueError:
         pass
     if ":" in host or "/" in host:  # a port or a URL: the certificate names the host alone
         raise ValueError(f"host {host!r}: give the host alone, without scheme or port (e.g. 'fl.example.org' or "
                          "'10.0.0.5'); clients dial the port with --superlink")
-    if _DOTTED_NUMBERS.fullmatch(host):
+    if _DOTTED_QUAD.fullmatch(host):
         raise ValueError(f"host {host!r} is not a valid IP address")
-    # A DNS name, which x509 wants as IDNA/ASCII: labels of letters, digits and hyphens.
+    # A DNS name, which x509 wants as IDNA/ASCII: labels of letters, digits, hyphens and underscores
+    # (container service names), the first one possibly a wildcard.
     try:
         ascii_name = host.encode("idna").decode("ascii")
     except UnicodeError:
         ascii_name = ""
-    if not all(_DNS_LABEL.fullmatch(label) for label in ascii_name.rstrip(".").split(".")):
+    labels = ascii_name.rstrip(".").split(".")
+    if labels[0] == "*" and len(labels) > 1:
+        labels = labels[1:]
+    if not all(_DNS_LABEL.fullmatch(label) for label in labels):
         raise ValueError(f"host {host!r} is neither an IP address nor a valid DNS name")
     return x509.DNSName(ascii_name)
 
 
-_DOTTED_NUMBERS = re.compile(r"[0-9.]+")
-_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_DOTTED_QUAD = re.compile(r"\d+(\.\d+){3}")
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
 def _check_writable(paths: Iterable[Path], overwrite: bool) -> None:

@@ -295,8 +295,15 @@ class RoundCheckpointer:
                 )
             return None
         meta = checkpoint.meta
-        if meta.get(CONFIG_HASH_KEY) != self.fingerprint:
-            differ = _differences(meta.get(SETTINGS_KEY, {}), self.settings)
+        saved = meta.get(SETTINGS_KEY, {})
+        # Settings a checkpoint of an earlier version does not record are not compared.
+        unrecorded = [k for k in _RECORDED_LATER if k in self.settings and k not in saved]
+        current = {k: v for k, v in self.settings.items() if k not in unrecorded}
+        if unrecorded:
+            log.warning("checkpoint %s records no %s (saved by an earlier version): not compared",
+                        checkpoint.path, ", ".join(unrecorded))
+        if meta.get(CONFIG_HASH_KEY) != config_hash(current):
+            differ = _differences(saved, current)
             message = (
                 f"checkpoint {checkpoint.path} (round {checkpoint.round}) was saved with other settings: "
                 + ("; ".join(differ) if differ else "settings hash differs")
@@ -358,6 +365,10 @@ class RoundCheckpointer:
             return max(self.store.rounds(), default=None)
         except Exception:  # the store may be unreadable (a full or vanished disk)
             return None
+
+
+# Settings recorded since a later version (the train config of start()): an earlier checkpoint lacks them.
+_RECORDED_LATER = ("train_config",)
 
 
 def _reason(err: BaseException) -> str:

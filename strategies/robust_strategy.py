@@ -297,8 +297,8 @@ class RobustStrategy(Strategy):
         gets every evaluation reply with metrics and a count in ``(0, max_num_examples]``, and replaces
         the default: each metric trimmed of its ``num_byzantine`` highest and lowest values, then
         example-weighted. Default for training: the same, over every metric of the accepted replies (named
-        ``train_<key>``; a client's own ``train_loss`` wins over its ``loss``). Clients report these
-        metrics themselves; none is trusted.
+        ``train_<key>``; where clients report both ``loss`` and ``train_loss``, the aggregate of
+        ``train_loss`` is kept). Clients report these metrics themselves; none is trusted.
     weight_by_num_examples : bool
         Weight replies by their (unverifiable) example counts where the rule supports weights.
     server_optimizer : str
@@ -531,7 +531,7 @@ class RobustStrategy(Strategy):
             for name, value in (("max_round_retries", max_round_retries), ("over_select", over_select), ("seed", seed))
         )
         _check(num_byzantine >= 0, f"num_byzantine must be an integer >= 0, got {num_byzantine!r}")
-        _check(0 <= seed < 2**32, f"seed must be an integer in [0, 2**32), got {seed!r}")
+        _check(seed >= 0, f"seed must be an integer >= 0, got {seed!r}")
         _check(math.isfinite(server_lr), f"server_lr must be finite, got {server_lr!r}")
         _check(0.0 < fraction_train <= 1.0,
                f"fraction_train must be in (0, 1], got {fraction_train!r}: RobustStrategy trains in every round "
@@ -614,8 +614,9 @@ class RobustStrategy(Strategy):
         if num_byzantine == 0 and self.aggregator.label != "mean" and not _said["f=0"]:
             _said["f=0"] = True  # once a process, as above
             log.warning(
-                "num_byzantine=0: aggregator %s tolerates no faulty node (with f=0 it keeps every valid reply, "
-                "as FedAvg does); set num_byzantine to the number of nodes that may be faulty",
+                "num_byzantine=0: aggregator %s is configured for no faulty node (f=0; the default pipeline then "
+                "averages every valid reply, as FedAvg does); set num_byzantine to the number of nodes that may "
+                "be faulty",
                 self.aggregator.label,
             )
         self.server_update_fn = server_update_fn
@@ -1167,6 +1168,7 @@ class RobustStrategy(Strategy):
             isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}"
         )
         self._pins_checked = False
+        self._said_more_faulty = self._said_uncounted = False  # said once a run
         loop = RoundLoop(
             self,
             grid,
@@ -1379,7 +1381,7 @@ def _rejections_text(outcome: RoundOutcome, tolerated: int, shown: int = 3) -> s
     bounds = [_BOUND_SETTINGS[r] for r, _ in outcome.rejected.most_common(shown) if r in _BOUND_SETTINGS]
     hint = f" (if these nodes are honest, raise the bound: {'; '.join(bounds)})" if bounds else ""
     total = sum(outcome.rejected.values())
-    if not hint and len(outcome.rejected) == 1 and total > tolerated:
+    if not hint and len(outcome.rejected) == 1 and total > max(tolerated, 1):
         hint = (f" (more than num_byzantine={tolerated} nodes failing alike points at the ClientApp's replies or a "
                 "setting rather than at faulty nodes)")
     return f"; rejected {total}: {parts}{hint}"
@@ -1393,8 +1395,8 @@ _BOUND_SETTINGS = {
 
 def _train_named(aggregated: Mapping[str, Any]) -> dict[str, float]:
     """The finite training metrics, each named ``train_<key>`` unless it starts with ``train_``: a round's
-    row holds the server's evaluation ``loss`` too. Where a client reports both ``loss`` and
-    ``train_loss``, its own ``train_loss`` is kept. NaN is left out (the metrics file would not be JSON)."""
+    row holds the server's evaluation ``loss`` too. Where both ``loss`` and ``train_loss`` were reported,
+    the aggregate of ``train_loss`` is kept. NaN is left out (the metrics file would not be JSON)."""
     named = {f"train_{k}": x for k, v in aggregated.items()
              if not k.startswith("train_") and (x := _finite(v)) is not None}
     named.update({k: x for k, v in aggregated.items() if k.startswith("train_") and (x := _finite(v)) is not None})

@@ -62,9 +62,8 @@ class RoundLoop:
         self.evaluate_config = evaluate_config
         self.evaluate_fn = evaluate_fn
         s = strategy
-        # The train config reaches every client's training, so a checkpoint must agree with it too (named
-        # only where given: checkpoints of runs without one resume as before).
-        settings = {**s.settings, "train_config": dict(train_config)} if train_config else s.settings
+        # The train config reaches every client's training, so a checkpoint must agree with it too.
+        settings = {**s.settings, "train_config": dict(train_config)}
         self.checkpointer = RoundCheckpointer(
             s.checkpoint_dir,
             settings=settings,

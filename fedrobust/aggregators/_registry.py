@@ -70,16 +70,16 @@ def pipeline_order_hint(name: str) -> str | None:
     """What to write instead of a pipeline whose stages are all known but out of order (a rule before a
     pre-aggregator: ``'krum+nnm'``), or None where the order is not the problem."""
     stages = [stage.strip() for stage in name.split(PIPELINE_SEPARATOR)]
-    if any(s not in _RULES and s not in _PRES for s in stages):
-        return None
-    # DnC is both a rule and a pre-aggregator: only a rule that is no pre-aggregator is out of place early.
-    misplaced = [s for s in stages[:-1] if s not in _PRES]
-    if stages[-1] in _RULES and not misplaced:
+    if len(stages) < 2 or any(s not in _RULES and s not in _PRES for s in stages):
+        return None  # a bare name, or an unknown stage: the unknown-name message says more
+    if stages[-1] in _RULES and all(s in _PRES for s in stages[:-1]):
         return None  # in order
-    rules = misplaced + ([stages[-1]] if stages[-1] not in _PRES else [])
+    # DnC is both a rule and a pre-aggregator: it is the rule only where no other stage can be.
+    rules = [s for s in stages if s in _RULES and s not in _PRES] or [s for s in stages if s in _RULES][-1:]
     if len(rules) != 1:
-        return f"a pipeline is pre-aggregators and then exactly one rule; {name!r} names {len(rules)} rules"
-    ordered = PIPELINE_SEPARATOR.join([*(s for s in stages if s not in rules), *rules])
+        return (f"a pipeline is pre-aggregators and then exactly one rule; {name!r} names "
+                f"{len(rules) or 'no'} rule{'s' if len(rules) > 1 else ''} (rules: {', '.join(_RULES)})")
+    ordered = PIPELINE_SEPARATOR.join([*(s for s in stages if s != rules[0]), rules[0]])
     return f"the rule goes last, after its pre-aggregators: {ordered!r}"
 
 

@@ -324,7 +324,8 @@ def test_real_hydra_app_exits_2_without_starting_the_engine(
     [
         ("krum+nnm", "the rule goes last, after its pre-aggregators: 'nnm+krum'"),
         ("nnm+krum+median", "a pipeline is pre-aggregators and then exactly one rule; 'nnm+krum+median' names 2 rules"),
-        ("winsorize+nnm", "a pipeline is pre-aggregators and then exactly one rule; 'winsorize+nnm' names 0 rules"),
+        ("winsorize+nnm", "a pipeline is pre-aggregators and then exactly one rule; 'winsorize+nnm' names no rule"),
+        ("dnc+nnm", "the rule goes last, after its pre-aggregators: 'nnm+dnc'"),  # DnC: a rule where nothing else is
     ],
 )
 def test_a_pipeline_out_of_order_says_the_order(
@@ -348,6 +349,7 @@ def test_a_pipeline_out_of_order_says_the_order(
         ("seed=4294967296", "seed=4294967296: must be <= 4294967295 (2**32 - 1)"),
         ("num_clients=3000", "num_clients=3000: digits has 1437 training examples to partition"),
         ("attack=backdoor", "attack.params.target=12: must be a label in [0, 9] (digits has 10 classes)"),
+        ("fault=fast", "fault=fast: fault is a table of settings, not a choice: set its keys, e.g. fault."),
         ("checkpoint.dir=ftp2://x/y", "checkpoint.dir=ftp2://x/y: unknown storage protocol 'ftp2'"),
         ("aggregator.pre=nnm+bucketing", "aggregator.pre=nnm+bucketing: aggregator.pre separates its names with "
                                          "commas: aggregator.pre='nnm,bucketing'"),
@@ -365,6 +367,22 @@ def test_values_hydra_or_a_later_step_refused_with_a_traceback_get_one_line(
     assert outcome.code == 2 and "Traceback" not in outcome.stderr, outcome
     assert any(p.strip().startswith(line) for p in outcome.stderr.splitlines()[1:]), outcome.stderr
     assert not engine_guard
+
+
+def test_settings_for_other_choices_of_a_swept_group_and_table_overrides_are_accepted(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """partition.alpha next to partition=iid,dirichlet is for the dirichlet jobs; mimic's target is a row, not
+    a label; fault={...} merges into the table as Hydra does; fsspec chains URLs: none of them is a problem."""
+    for args in (["-m", "partition=iid,dirichlet", "partition.alpha=0.3", "server_optimizer=fedavg,fedavgm",
+                  "server_optimizer.momentum=0.5", "num_rounds=0"],
+                 ["attack=mimic", "+attack.params.target=12", "fault={round_timeout:30}", "num_rounds=0",
+                  "checkpoint.dir=simplecache::memory://ck/x"]):  # a chained fsspec URL
+        outcome = _cli([*args, f"hydra.sweep.dir={tmp_path}", f"hydra.run.dir={tmp_path}"], monkeypatch,
+                       real_hydra=True)
+        problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
+        assert outcome.code == 2 and all(p.endswith("num_rounds=0: must be >= 1") or p.startswith("no job")
+                                         for p in problems), outcome.stderr
 
 
 def test_a_sweep_with_an_invalid_job_starts_none_and_names_each_bad_job(

@@ -105,7 +105,14 @@ def test_custom_hosts_and_bad_hosts(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=re.escape(f"host {host!r}") + ".*" + re.escape(says)):
             generate_tls_certificates(tmp_path / "bad", hosts=(host,))
     assert not (tmp_path / "bad").exists()
-    generate_tls_certificates(tmp_path / "idna", hosts=("bücher.example",))  # an international name, as IDNA
+    # An international name (as IDNA), a wildcard, container service names and an IPv6 address in brackets.
+    files = generate_tls_certificates(tmp_path / "names", hosts=("bücher.example", "*.example.org", "fl_server",
+                                                                  "superlink_1.local", "[::1]"))
+    _verify(files, x509.DNSName("node-3.example.org"))  # by the wildcard
+    _verify(files, x509.IPAddress(ipaddress.ip_address("::1")))
+    leaf = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert {"xn--bcher-kva.example", "fl_server", "superlink_1.local"} <= set(names)
     with pytest.raises(FileExistsError):
         generate_tls_certificates(tmp_path)
 
