@@ -169,7 +169,11 @@ def override_problems(args: Sequence[str]) -> list[str]:
                 problems.append(f"{key}={format_value(value)}: unknown choice; valid choices in {key}: "
                                 f"{', '.join(names)}")
             continue
-        if dataclasses.is_dataclass(hint) and not (CONF_DIR / key).is_dir() and not isinstance(value, dict):
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            # fault={round_timeout:30}: Hydra merges it into the table; each entry is checked as fault.<k>=<v>.
+            problems += _entry_problems(key, value)
+            continue
+        if dataclasses.is_dataclass(hint) and not (CONF_DIR / key).is_dir():
             # A table of settings (client, fault, ...), not a group: Hydra's answer is a type error.
             keys = sorted(get_type_hints(hint))
             problems.append(f"{key}={format_value(value)}: {key} is a table of settings, not a choice: set "
@@ -203,15 +207,57 @@ def override_problems(args: Sequence[str]) -> list[str]:
     return problems
 
 
-def unused_settings(args: Sequence[str]) -> list[str]:
-    """Settings of the command line (one run, or one job of a sweep) that its group choice does not read:
-    server_optimizer.momentum with fedavg, partition.alpha with iid. The run would go on as if they were
-    not given. Nothing is said while a group is swept (each job is checked on its own) or a setting is
-    wrong already (:func:`override_problems` says so)."""
+def _entry_problems(table: str, entries: dict[str, Any]) -> list[str]:
+    """Problems of the entries of a table given whole (``fault={round_timeout:30}``): unknown keys and
+    values of the wrong type, as for ``fault.round_timeout=30``."""
+    problems = []
+    for name, value in entries.items():
+        found = _field_hint(f"{table}.{name}")
+        if found is None:
+            continue  # a parameter table's own entries
+        hint, valid = found
+        if hint is KeyError:
+            problems.append(f"{table}.{name}={format_value(value)}: unknown key; valid keys in {table}: {valid}")
+        elif not dataclasses.is_dataclass(hint) and not (isinstance(value, str) and "${" in value):
+            try:
+                coerce(hint, value, f"{table}.{name}")
+            except ValueError as err:
+                problems.append(str(err))
+    return problems
+
+
+def unused_settings(jobs: Sequence[Sequence[str]]) -> list[str]:
+    """Settings that no job reads with its group choice: server_optimizer.momentum with fedavg,
+    partition.alpha with iid. The run would go on as if they were not given. ``jobs``: the overrides of
+    each run (one for a single run, one per job of a sweep, see :func:`jobs_of`); a setting some job reads
+    is not refused (partition=iid,dirichlet with partition.alpha)."""
+    flagged = [dict(_unused_in(job)) for job in jobs]
+    if not flagged:
+        return []
+    return [line for key, line in flagged[0].items() if all(key in f for f in flagged)]
+
+
+def jobs_of(args: Sequence[str]) -> list[list[str]]:
+    """The overrides of each run ``args`` start: one list for a single run, one per job of a sweep (as
+    Hydra's basic sweeper expands it); empty where Hydra's parser refuses them (it says why)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        if not any(o.is_sweep_override() for o in parsed):
+            return [overrides]
+        return [list(job) for job in BasicSweeper.split_arguments(parsed, None)[0]]
+    except HydraException:
+        return []
+
+
+def _unused_in(job: Sequence[str]) -> list[tuple[str, str]]:
+    """(key, problem line) for each setting of one run's overrides that its group choice does not read."""
     from fedrobust.server_optim import PARAMS as OPTIMIZER_PARAMS
 
     try:
-        parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+        parsed = OverridesParser.create().parse_overrides(list(job))
     except HydraException:
         return []
     chosen: dict[str, str | None] = {
@@ -225,8 +271,9 @@ def unused_settings(args: Sequence[str]) -> list[str]:
         group = key.removesuffix(".name")
         if group in chosen:
             value = override.value()
-            chosen[group] = value if isinstance(value, str) and not override.is_sweep_override() else None
-        elif not override.is_sweep_override():
+            # An interpolation (${oc.env:OPT}) is resolved by Hydra: its choice is not known here.
+            chosen[group] = value if isinstance(value, str) and "${" not in value else None
+        else:
             given.append((key, override.value()))
     readers = {
         **{f"server_optimizer.{name}": ("server_optimizer", [o for o, ps in OPTIMIZER_PARAMS.items() if name in ps])
@@ -238,8 +285,8 @@ def unused_settings(args: Sequence[str]) -> list[str]:
     for key, value in given:
         if key in readers and chosen[readers[key][0]] not in (None, *readers[key][1]):
             group, users = readers[key]
-            problems.append(f"{key}={format_value(value)}: {group}={chosen[group]} does not use it (only "
-                            f"{', '.join(users)}); choose one of those, or leave the setting out")
+            problems.append((key, f"{key}={format_value(value)}: {group}={chosen[group]} does not use it (only "
+                                  f"{', '.join(users)}); choose one of those, or leave the setting out"))
     return problems
 
 
@@ -341,16 +388,15 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
     One line per problem, led by the job's number and swept values; empty when every job is valid.
     """
     from hydra import compose, initialize_config_dir
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from omegaconf.errors import OmegaConfBaseException
 
     from fedrobust.run_setup import config_problems
 
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
-        jobs = BasicSweeper.split_arguments(parsed, None)[0]
     except HydraException:
-        return []  # a syntax error or a sweep type Hydra's sweeper refuses: Hydra says so
+        return []  # a syntax error: Hydra says so
+    jobs = jobs_of(args)
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     problems: list[str] = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -379,9 +425,11 @@ def cli() -> None:
     compose and run."""
     signal.signal(signal.SIGTERM, _remember_early_signal)
     signal.signal(signal.SIGINT, _remember_early_signal)
-    # Unused settings are checked on the whole command line: a sweep over a group (partition=iid,dirichlet)
-    # with a setting for some of its choices (partition.alpha) is not refused for the others.
-    problems = override_problems(sys.argv[1:]) or unused_settings(sys.argv[1:])
+    # A setting unused by every job is refused: a sweep over a group (partition=iid,dirichlet) with a
+    # setting for some of its choices (partition.alpha) is not.
+    problems = override_problems(sys.argv[1:])
+    wrong = {line.split("=", 1)[0] for line in problems}  # a value wrong already is said once
+    problems += [line for line in unused_settings(jobs_of(sys.argv[1:])) if line.split("=", 1)[0] not in wrong]
     if not problems and _is_multirun(sys.argv[1:]):
         problems = sweep_problems(sys.argv[1:])
         if problems:

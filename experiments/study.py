@@ -512,12 +512,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def extra_problems(extra: Sequence[str]) -> list[str]:
+def extra_problems(extra: Sequence[str], partitions: Sequence[str] = PARTITIONS) -> list[str]:
     """What is wrong with ``--set`` overrides, one line each, as ``python -m experiments.run`` checks its own
-    (an unknown key, a value of the wrong type, a key that needs Hydra's ``+``)."""
-    from experiments.run import override_problems
+    (an unknown key, a value of the wrong type, a key that needs Hydra's ``+``, a setting that no run of the
+    study reads with its partition)."""
+    from experiments.run import override_problems, unused_settings
 
-    return [f"--set {line}" for line in override_problems(extra)]
+    problems = override_problems(extra)
+    wrong = {line.split("=", 1)[0] for line in problems}
+    unused = unused_settings([[*extra, f"partition={p}"] for p in partitions])
+    return [f"--set {line}" for line in problems + [u for u in unused if u.split("=", 1)[0] not in wrong]]
 
 
 def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]:
@@ -542,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(args_list)
     args.attacks = [study_attack(a) for a in args.attacks]  # Hydra's group choices are taken too
-    problems = argument_problems(args.rules, args.attacks) + extra_problems(args.extra)
+    problems = argument_problems(args.rules, args.attacks) + extra_problems(args.extra, args.partitions)
     if problems:
         _exit_invalid("invalid arguments", problems)
     _worker_init()

@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     problems = [line.replace("--rules:", "--rule:", 1) for line in study.argument_problems([args.rule], [])] + [
         f"--setting {name}: {line.removeprefix('--set ')}"
         for name, overrides in settings.items()
-        for line in study.extra_problems(overrides)
+        for line in study.extra_problems(overrides, args.partitions)
     ]
     if not problems and not args.report_only:
         problems = setting_problems(settings, args)

@@ -171,11 +171,16 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
             _problem(problems, "attack.params", cfg.attack.params, str(err))
     elif cfg.attack.name == "none" and cfg.attack.params:
         _problem(problems, "attack.params", cfg.attack.params, "attack=none takes no parameters")
-    label = getattr(attack, "target", None) if cfg.attack.name == "backdoor" else None  # mimic's is a row
-    if spec is not None and isinstance(label, int) and not 0 <= label < spec.num_classes:
-        _problem(problems, "attack.params.target", label,
+    aim = getattr(attack, "target", None)  # a backdoor's label, or the row mimic copies
+    if cfg.attack.name == "backdoor" and spec is not None and isinstance(aim, int) \
+            and not 0 <= aim < spec.num_classes:
+        _problem(problems, "attack.params.target", aim,
                  f"must be a label in [0, {spec.num_classes - 1}] ({components.dataset_label(cfg.dataset)} has "
                  f"{spec.num_classes} classes)")
+    honest = cfg.clients_per_round - cfg.num_byzantine
+    if cfg.attack.name == "mimic" and isinstance(aim, int) and honest >= 1 and not 0 <= aim < honest:
+        _problem(problems, "attack.params.target", aim,  # the honest reply it copies, by its row
+                 f"must be the row of an honest reply, in [0, {honest - 1}] (clients_per_round - num_byzantine)")
     if not rule_ok or cfg.num_byzantine < 0:
         return
     try:

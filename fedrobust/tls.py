@@ -65,14 +65,16 @@ class TlsFiles:
 def _general_name(host: str) -> x509.GeneralName:
     if not isinstance(host, str) or not host.strip():
         raise ValueError(f"host names must be non-empty strings, got {host!r}")
-    try:  # an IPv6 address may come in URL brackets: [::1]
-        return x509.IPAddress(ipaddress.ip_address(host.removeprefix("[").removesuffix("]")))
+    bracketed = host.startswith("[") and host.endswith("]")  # an IPv6 address in URL brackets: [::1]
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host[1:-1] if bracketed else host))
     except ValueError:
         pass
     if ":" in host or "/" in host:  # a port or a URL: the certificate names the host alone
         raise ValueError(f"host {host!r}: give the host alone, without scheme or port (e.g. 'fl.example.org' or "
                          "'10.0.0.5'); clients dial the port with --superlink")
-    if _DOTTED_QUAD.fullmatch(host):
+    last = host.rstrip(".").rpartition(".")[2]
+    if _NUMBER.fullmatch(last):  # no top-level domain is a number: a mistyped IP address (1.2.3, 127.1)
         raise ValueError(f"host {host!r} is not a valid IP address")
     # A DNS name, which x509 wants as IDNA/ASCII: labels of letters, digits, hyphens and underscores
     # (container service names), the first one possibly a wildcard.
@@ -88,7 +90,7 @@ def _general_name(host: str) -> x509.GeneralName:
     return x509.DNSName(ascii_name)
 
 
-_DOTTED_QUAD = re.compile(r"\d+(\.\d+){3}")
+_NUMBER = re.compile(r"\d+|0[xX][0-9a-fA-F]+")
 _DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 

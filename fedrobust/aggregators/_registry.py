@@ -79,7 +79,8 @@ def pipeline_order_hint(name: str) -> str | None:
     if len(rules) != 1:
         return (f"a pipeline is pre-aggregators and then exactly one rule; {name!r} names "
                 f"{len(rules) or 'no'} rule{'s' if len(rules) > 1 else ''} (rules: {', '.join(_RULES)})")
-    ordered = PIPELINE_SEPARATOR.join([*(s for s in stages if s != rules[0]), rules[0]])
+    last = len(stages) - 1 - stages[::-1].index(rules[0])  # the rule's last place: only that one moves
+    ordered = PIPELINE_SEPARATOR.join([*stages[:last], *stages[last + 1 :], rules[0]])
     return f"the rule goes last, after its pre-aggregators: {ordered!r}"
 
 

@@ -218,6 +218,9 @@ def test_study_takes_an_attack_by_its_hydra_file_name() -> None:
         (["--setting", "x=num_clinets=3"], "--setting x: num_clinets=3: unknown key"),
         # A wrong value: found before the base setting's runs, not after them.
         (["--setting", "base=", "--setting", "x=client.lr=-1"], "--setting x: client.lr=-1.0: must be > 0"),
+        # Read by no run of the tune (fedavg): it would repeat the base setting's runs.
+        (["--setting", "base=", "--setting", "m=server_optimizer.momentum=0.5"],
+         "--setting m: server_optimizer.momentum=0.5: server_optimizer=fedavg does not use it"),
         (["--setting", "base=", "--report-only"], "--report-only: no results in"),
     ],
 )

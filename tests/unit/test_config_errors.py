@@ -326,6 +326,7 @@ def test_real_hydra_app_exits_2_without_starting_the_engine(
         ("nnm+krum+median", "a pipeline is pre-aggregators and then exactly one rule; 'nnm+krum+median' names 2 rules"),
         ("winsorize+nnm", "a pipeline is pre-aggregators and then exactly one rule; 'winsorize+nnm' names no rule"),
         ("dnc+nnm", "the rule goes last, after its pre-aggregators: 'nnm+dnc'"),  # DnC: a rule where nothing else is
+        ("dnc+dnc+nnm", "the rule goes last, after its pre-aggregators: 'dnc+nnm+dnc'"),  # the filter DnC stays
     ],
 )
 def test_a_pipeline_out_of_order_says_the_order(
@@ -357,13 +358,22 @@ def test_a_pipeline_out_of_order_says_the_order(
         ("server_optimizer.momentum=0.5", "server_optimizer.momentum=0.5: server_optimizer=fedavg does not use it "
                                           "(only fedavgm)"),
         ("partition.alpha=0.3", "partition.alpha=0.3: partition=iid does not use it (only dirichlet)"),
+        # Swept, the setting is refused when no job reads it.
+        ("-m partition.alpha=0.1,0.5", "partition.alpha=0.1: partition=iid does not use it (only dirichlet)"),
+        ("-m server_optimizer=fedavg,fedadam server_optimizer.momentum=0.5",
+         "server_optimizer.momentum=0.5: server_optimizer=fedavg does not use it (only fedavgm)"),
+        ("fault={bogus:30}", "fault.bogus=30: unknown key; valid keys in fault: "),
+        ("fault={round_timeout:abc}", "fault.round_timeout=abc: must be a number"),
+        ("attack=mimic +attack.params.target=20", "attack.params.target=20: must be the row of an honest reply, "
+                                                  "in [0, 15]"),
     ],
 )
 def test_values_hydra_or_a_later_step_refused_with_a_traceback_get_one_line(
     override: str, line: str, engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     extra = ["attack.params.target=12"] if override == "attack=backdoor" else []
-    outcome = _cli([override, *extra], monkeypatch, real_hydra=True)
+    outcome = _cli([*override.split(), *extra, "hydra.sweep.dir=/nonexistent/never-made"], monkeypatch,
+                   real_hydra=True)
     assert outcome.code == 2 and "Traceback" not in outcome.stderr, outcome
     assert any(p.strip().startswith(line) for p in outcome.stderr.splitlines()[1:]), outcome.stderr
     assert not engine_guard

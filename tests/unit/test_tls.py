@@ -100,6 +100,8 @@ def test_custom_hosts_and_bad_hosts(tmp_path: Path) -> None:
     # A certificate no client would match: refused when it is made, not at the first connection.
     for host, says in (("127.0.0.1:9092", "give the host alone, without scheme or port"),
                        ("https://example.com", "give the host alone"), ("999.1.1.1", "is not a valid IP address"),
+                       ("1.2.3", "is not a valid IP address"), ("1.2.3.4.", "is not a valid IP address"),
+                       ("0x7f.1.1.1", "is not a valid IP address"), ("[::1", "without scheme or port"),
                        ("not a host!!", "is neither an IP address nor a valid DNS name"),
                        ("-lead.example", "is neither an IP address nor a valid DNS name")):
         with pytest.raises(ValueError, match=re.escape(f"host {host!r}") + ".*" + re.escape(says)):
