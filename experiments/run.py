@@ -254,8 +254,6 @@ def jobs_of(args: Sequence[str]) -> list[list[str]]:
 
 def _unused_in(job: Sequence[str]) -> list[tuple[str, str]]:
     """(key, problem line) for each setting of one run's overrides that its group choice does not read."""
-    from fedrobust.server_optim import PARAMS as OPTIMIZER_PARAMS
-
     try:
         parsed = OverridesParser.create().parse_overrides(list(job))
     except HydraException:
@@ -275,12 +273,18 @@ def _unused_in(job: Sequence[str]) -> list[tuple[str, str]]:
             chosen[group] = value if isinstance(value, str) and "${" not in value else None
         else:
             given.append((key, override.value()))
-    readers = {
-        **{f"server_optimizer.{name}": ("server_optimizer", [o for o, ps in OPTIMIZER_PARAMS.items() if name in ps])
-           for name in ("momentum", "beta_1", "beta_2", "tau")},
+    readers: dict[str, tuple[str, list[str]]] = {
         "partition.alpha": ("partition", ["dirichlet"]),
         "partition.classes_per_partition": ("partition", ["pathological"]),
     }
+    if any(key.startswith("server_optimizer.") for key, _ in given):
+        # Imported only then: it imports torch, which a command refused for a type error never needs.
+        from fedrobust.server_optim import PARAMS as OPTIMIZER_PARAMS
+
+        readers |= {
+            f"server_optimizer.{name}": ("server_optimizer", [o for o, ps in OPTIMIZER_PARAMS.items() if name in ps])
+            for name in ("momentum", "beta_1", "beta_2", "tau")
+        }
     problems = []
     for key, value in given:
         if key in readers and chosen[readers[key][0]] not in (None, *readers[key][1]):
