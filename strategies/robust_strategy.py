@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 import os
 import threading
 import time
@@ -25,7 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,13 +33,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedrobust import aggregators, memory, protocol
-from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, AggregatorConfig, LivenessConfig
+from fedrobust.config import AggregatorConfig, LivenessConfig
 from fedrobust.liveness import LivenessTracker
-from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
-from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
-from fedrobust.server_optim import SCHEDULES as LR_SCHEDULES
 from fedrobust.server_optim import ServerOptimizer, lr_factor
 from fedrobust.signing import TrustStore
+from fedrobust.strategies import arguments
+from fedrobust.strategies.arguments import check, is_number, plain
 from fedrobust.strategies.errors import AggregationError
 from fedrobust.strategies.replies import parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
@@ -148,34 +146,6 @@ ServerUpdateFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, torch.
 
 # Warnings said once a process.
 _said = {"plain mean": False, "f=0": False}
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def _plain(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A copy of ``mapping`` whose NumPy scalars are Python ones (rules and configs check for int and float)."""
-    return {k: v.item() if isinstance(v, np.generic) else v for k, v in (mapping or {}).items()}
-
-
-def _check_keys(name: str, given: Mapping[str, Any] | None, valid: Sequence[str]) -> None:
-    """ValueError naming the keys of ``given`` that are not ``valid``, and the valid ones."""
-    unknown = sorted(set(given or {}) - set(valid))
-    _check(not unknown, f"{name}: unknown key(s) {unknown}; valid keys: {list(valid)}")
-
-
-def _is_number(value: object) -> TypeGuard[numbers.Real]:
-    """A real number, and not a bool (``True`` is an int to Python, never a setting's value here)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _as_integer(name: str, value: object) -> int:
-    """``value`` as an ``int`` (NumPy's integers too), or ValueError naming ``name``."""
-    _check(isinstance(value, numbers.Integral) and not isinstance(value, bool),
-           f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    return int(value)  # type: ignore[call-overload]
 
 
 class RoundIntake:
@@ -465,201 +435,51 @@ class RobustStrategy(Strategy):
         server_update_fn: ServerUpdateFn | None = None,
         settings: Mapping[str, Any] | None = None,
     ) -> None:
-        # Types first, each named, so that the range checks below compare numbers (a string from a config
-        # file would otherwise fail inside a comparison, naming neither the argument nor the value).
-        for name, value in (
-            ("fraction_train", fraction_train), ("fraction_evaluate", fraction_evaluate), ("server_lr", server_lr),
-            ("server_lr_min_ratio", server_lr_min_ratio), ("wait_for_nodes", wait_for_nodes),
-            ("grace_after_quorum", grace_after_quorum), ("divergence_factor", divergence_factor),
-            ("lr_decay", lr_decay), ("checkpoint_every_seconds", checkpoint_every_seconds),
-            ("max_update_norm", max_update_norm), ("round_deadline", round_deadline),
-            ("checkpoint_mtbf", checkpoint_mtbf),
-        ):
-            optional = name in ("max_update_norm", "round_deadline", "checkpoint_mtbf")
-            _check(_is_number(value) or (optional and value is None),
-                   f"{name} must be a number{' or None' if optional else ''}, got {value!r} ({type(value).__name__})")
-        # Plain floats from here on (np.float32 would reach the checkpoint's JSON metadata and fail there).
-        fraction_train, fraction_evaluate, server_lr, server_lr_min_ratio, wait_for_nodes = (
-            float(v) for v in (fraction_train, fraction_evaluate, server_lr, server_lr_min_ratio, wait_for_nodes)
-        )
-        grace_after_quorum, divergence_factor, lr_decay, checkpoint_every_seconds = (
-            float(v) for v in (grace_after_quorum, divergence_factor, lr_decay, checkpoint_every_seconds)
-        )
-        max_update_norm, round_deadline, checkpoint_mtbf = (
-            None if v is None else float(v) for v in (max_update_norm, round_deadline, checkpoint_mtbf)
-        )
-        for name, flag in (
-            ("weight_by_num_examples", weight_by_num_examples), ("require_signatures", require_signatures),
-            ("force_resume", force_resume), ("discover_partitions", discover_partitions), ("progress", progress),
-            ("return_freed_memory", return_freed_memory),
-        ):
-            # A string "false" from a config file would read as True: weighting by claimed counts, for one.
-            _check(isinstance(flag, bool | np.bool_),
-                   f"{name} must be True or False, got {flag!r} ({type(flag).__name__})")
-        weight_by_num_examples, require_signatures, force_resume = (  # np.bool_ is no JSON for checkpoints
-            bool(f) for f in (weight_by_num_examples, require_signatures, force_resume)
-        )
-        for name, key in (("weighted_by_key", weighted_by_key), ("arrayrecord_key", arrayrecord_key),
-                          ("configrecord_key", configrecord_key)):
-            _check(isinstance(key, str) and key != "", f"{name} must be a record or metric name, got {key!r}")
-        for name, function in (
-            ("train_metrics_aggr_fn", train_metrics_aggr_fn), ("evaluate_metrics_aggr_fn", evaluate_metrics_aggr_fn),
-            ("on_start", on_start), ("update_hook", update_hook), ("server_update_fn", server_update_fn),
-        ):
-            _check(function is None or callable(function), f"{name} must be a function or None, got {function!r}")
-        for name, path in (("metrics_path", metrics_path), ("checkpoint_dir", checkpoint_dir)):
-            _check(path is None or isinstance(path, str | os.PathLike),
-                   f"{name} must be a path or None, got {path!r} ({type(path).__name__})")
-        _check(metrics_path is None or not Path(metrics_path).is_dir(),
-               f"metrics_path must be a file (one JSON line per round), got the directory {metrics_path!r}")
-        _check(signing is None or isinstance(signing, TrustStore | str | os.PathLike),
-               f"signing must be a TrustStore, the path of one, or None, got {signing!r} ({type(signing).__name__})")
-        for name, table in (("aggregator_params", aggregator_params), ("server_optimizer_params",
-                            server_optimizer_params), ("settings", settings)):
-            _check(table is None or isinstance(table, Mapping),
-                   f"{name} must be a mapping of names to values, got {table!r} ({type(table).__name__})")
-        _check(liveness is None or isinstance(liveness, LivenessConfig | Mapping),
-               f"liveness must be a LivenessConfig, a mapping of its fields or None, got {liveness!r}")
-        num_byzantine, min_train_nodes, min_evaluate_nodes, min_available_nodes = (
-            _as_integer(name, value) for name, value in (
-                ("num_byzantine", num_byzantine), ("min_train_nodes", min_train_nodes),
-                ("min_evaluate_nodes", min_evaluate_nodes), ("min_available_nodes", min_available_nodes),
-            )
-        )
-        max_round_retries, over_select, seed = (
-            _as_integer(name, value)
-            for name, value in (("max_round_retries", max_round_retries), ("over_select", over_select), ("seed", seed))
-        )
-        _check(num_byzantine >= 0, f"num_byzantine must be an integer >= 0, got {num_byzantine!r}")
-        _check(seed >= 0, f"seed must be an integer >= 0, got {seed!r}")
-        _check(math.isfinite(server_lr), f"server_lr must be finite, got {server_lr!r}")
-        _check(0.0 < fraction_train <= 1.0,
-               f"fraction_train must be in (0, 1], got {fraction_train!r}: RobustStrategy trains in every round "
-               "(Flower's FedAvg takes 0 for evaluation only)")
-        _check(0.0 <= fraction_evaluate <= 1.0, f"fraction_evaluate must be in [0, 1], got {fraction_evaluate!r}")
-        for name, value in (
-            ("min_train_nodes", min_train_nodes),
-            ("min_available_nodes", min_available_nodes),
-            ("checkpoint_keep", checkpoint_keep),
-            ("checkpoint_full_every", checkpoint_full_every),
-            ("max_num_examples", max_num_examples),
-        ):
-            _check(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
-        for name, value in (("min_evaluate_nodes", min_evaluate_nodes), ("max_round_retries", max_round_retries),
-                            ("over_select", over_select)):
-            _check(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0, got {value!r}")
-        _check(server_optimizer in SERVER_OPTIMIZERS,
-               f"unknown server_optimizer {server_optimizer!r}; valid choices: {list(SERVER_OPTIMIZERS)}")
-        _check(callable(server_lr_schedule) or server_lr_schedule in LR_SCHEDULES,
-               f"unknown server_lr_schedule {server_lr_schedule!r}; valid choices: {list(LR_SCHEDULES)} "
-               "or a function (server_round, num_rounds) -> factor")
-        _check(isinstance(server_lr_min_ratio, int | float) and 0 <= server_lr_min_ratio <= 1,
-               f"server_lr_min_ratio must be in [0, 1], got {server_lr_min_ratio!r}")
-        _check(max_update_norm is None or max_update_norm > 0,
-               f"max_update_norm must be > 0 (None: no bound), got {max_update_norm!r}")
-        _check(round_deadline is None or round_deadline > 0, f"round_deadline must be > 0 s, got {round_deadline!r}")
-        _check(wait_for_nodes >= 0, f"wait_for_nodes must be >= 0 s, got {wait_for_nodes!r}")
-        _check(grace_after_quorum >= 0, f"grace_after_quorum must be >= 0 s (0: off), got {grace_after_quorum!r}")
-        _check(divergence_factor == 0 or divergence_factor > 1,
-               f"divergence_factor must be > 1 (0: off), got {divergence_factor!r}")
-        _check(0 < lr_decay <= 1, f"lr_decay must be in (0, 1], got {lr_decay!r}")
-        _check(
-            checkpoint_every_seconds >= 0,
-            f"checkpoint_every_seconds must be >= 0, got {checkpoint_every_seconds!r}",
-        )
-        _check(
-            checkpoint_every == CHECKPOINT_INTERVAL_AUTO
-            or isinstance(checkpoint_every, int)
-            and not isinstance(checkpoint_every, bool)
-            and checkpoint_every >= 0,
-            f"checkpoint_every must be an integer >= 0 (0: only by time and after the last round) or "
-            f"{CHECKPOINT_INTERVAL_AUTO!r} (Young/Daly interval), got {checkpoint_every!r}",
-        )
-        _check(
-            checkpoint_mtbf is None or checkpoint_mtbf > 0,
-            f"checkpoint_mtbf must be > 0 seconds (None: estimated from restarts), got {checkpoint_mtbf!r}",
-        )
-        _check(
-            checkpoint_storage_options is None or isinstance(checkpoint_storage_options, Mapping),
-            f"checkpoint_storage_options must be a mapping of fsspec options, got {checkpoint_storage_options!r}",
-        )
-        _check(
-            not checkpoint_mirror or checkpoint_dir not in (None, ""),
-            f"checkpoint_mirror={checkpoint_mirror!r} needs checkpoint_dir, the local directory written first",
-        )
-        _check(resume in RESUME_MODES, f"unknown resume {resume!r}; valid choices: {list(RESUME_MODES)}")
-
+        a = arguments.checked({name: value for name, value in locals().items() if name != "self"})
         if isinstance(aggregator, aggregators.Aggregator):
-            _check(
+            check(
                 not pre and not aggregator_params,
                 "pre and aggregator_params apply to a rule given by name, not to a built Aggregator",
             )
             self.aggregator = aggregator
         else:
-            self.aggregator = aggregators.build(aggregator, f=num_byzantine, pre=pre, **_plain(aggregator_params))
-        _check(
+            self.aggregator = aggregators.build(aggregator, f=a.num_byzantine, pre=pre, **plain(aggregator_params))
+        check(
             not self.aggregator.needs_server_update or server_update_fn is not None,
             f"aggregator {self.aggregator.label} needs the server's own update each round: pass server_update_fn "
             "(a RunConfig builds it from aggregator.root_size examples of the training data)",
         )
-        if self.aggregator.label == "mean" and num_byzantine > 0 and not _said["plain mean"]:
-            _said["plain mean"] = True  # once a process: a study runs the mean as its baseline many times
-            log.warning(
-                "aggregator 'mean' with num_byzantine=%d: the plain mean tolerates no faulty reply (one can move "
-                "it anywhere); validation still rejects malformed ones. Pick a robust rule for f > 0, e.g. the "
-                "default %r",
-                num_byzantine,
-                AggregatorConfig.name,
-            )
-        if num_byzantine == 0 and self.aggregator.label != "mean" and not _said["f=0"]:
-            _said["f=0"] = True  # once a process, as above
-            log.warning(
-                "num_byzantine=0: aggregator %s is configured for no faulty node (f=0; the default pipeline then "
-                "averages every valid reply, as FedAvg does); set num_byzantine to the number of nodes that may "
-                "be faulty",
-                self.aggregator.label,
-            )
+        self._warn_about_f(a.num_byzantine)
         self.server_update_fn = server_update_fn
-        self._rule_spec = (
-            aggregator,
-            tuple(pre) if not isinstance(pre, str) else (pre,),
-            _plain(aggregator_params),
-        )
-        self.num_byzantine = num_byzantine
-        self.fraction_train = fraction_train
-        self.fraction_evaluate = fraction_evaluate
-        self.min_train_nodes = min_train_nodes
-        self.min_evaluate_nodes = min_evaluate_nodes
-        self.min_available_nodes = min_available_nodes
+        self._rule_spec = (aggregator, tuple(pre) if not isinstance(pre, str) else (pre,), plain(aggregator_params))
+        self.num_byzantine: int = a.num_byzantine
+        self.fraction_train: float = a.fraction_train
+        self.fraction_evaluate: float = a.fraction_evaluate
+        self.min_train_nodes: int = a.min_train_nodes
+        self.min_evaluate_nodes: int = a.min_evaluate_nodes
+        self.min_available_nodes: int = a.min_available_nodes
         self.weighted_by_key = weighted_by_key
         self.train_metrics_aggr_fn = train_metrics_aggr_fn
         self.evaluate_metrics_aggr_fn = evaluate_metrics_aggr_fn
         self.arrayrecord_key = arrayrecord_key
         self.configrecord_key = configrecord_key
-        self.weight_by_num_examples = weight_by_num_examples
-        optimizer_params = _plain(server_optimizer_params)
-        _check_keys(f"server_optimizer_params of {server_optimizer}", optimizer_params,
-                    SERVER_OPTIMIZER_PARAMS[server_optimizer])
-        for name, value in optimizer_params.items():
-            _check(_is_number(value), f"server_optimizer_params[{name!r}] must be a number, got {value!r}")
-        self.optimizer = ServerOptimizer(server_optimizer, lr=server_lr, **optimizer_params)
-        self.server_lr = server_lr
+        self.weight_by_num_examples: bool = a.weight_by_num_examples
+        self.optimizer = ServerOptimizer(server_optimizer, lr=a.server_lr, **a.server_optimizer_params)
+        self.server_lr: float = a.server_lr
         self.server_lr_schedule = server_lr_schedule
-        self.server_lr_min_ratio = float(server_lr_min_ratio)
+        self.server_lr_min_ratio: float = a.server_lr_min_ratio
         try:
             self.aggregation_device = pick_device(aggregation_device)
         except ValueError as err:
             raise ValueError(f"aggregation_device: {err}") from err
-        self.max_update_norm = max_update_norm
-        self.max_num_examples = max_num_examples
-        self.round_deadline = round_deadline
-        self.max_round_retries = max_round_retries
-        self.over_select = over_select
-        self.grace_after_quorum = grace_after_quorum
-        self.wait_for_nodes = wait_for_nodes
-        if not isinstance(liveness, LivenessConfig):
-            _check_keys("liveness", liveness, [f.name for f in dataclasses.fields(LivenessConfig)])
-        live = liveness if isinstance(liveness, LivenessConfig) else LivenessConfig(**_plain(liveness))
+        self.max_update_norm: float | None = a.max_update_norm
+        self.max_num_examples: int = a.max_num_examples
+        self.round_deadline: float | None = a.round_deadline
+        self.max_round_retries: int = a.max_round_retries
+        self.over_select: int = a.over_select
+        self.grace_after_quorum: float = a.grace_after_quorum
+        self.wait_for_nodes: float = a.wait_for_nodes
+        live = liveness if isinstance(liveness, LivenessConfig) else LivenessConfig(**plain(liveness))
         self.liveness_config = live
         self.liveness = LivenessTracker(
             suspect_after=live.suspect_after,
@@ -669,27 +489,27 @@ class RobustStrategy(Strategy):
             quarantine_after=max(live.quarantine_after, 1),
             quarantine_rounds=live.quarantine_rounds,
         )
-        self.divergence_factor = divergence_factor
-        self.lr_decay = lr_decay
+        self.divergence_factor: float = a.divergence_factor
+        self.lr_decay: float = a.lr_decay
         self.checkpoint_dir = None if checkpoint_dir in (None, "") else str(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
-        self.checkpoint_every_seconds = checkpoint_every_seconds
-        self.checkpoint_keep = checkpoint_keep
+        self.checkpoint_every_seconds: float = a.checkpoint_every_seconds
+        self.checkpoint_keep: int = a.checkpoint_keep
         self.checkpoint_mirror = checkpoint_mirror or None
-        self.checkpoint_full_every = checkpoint_full_every
+        self.checkpoint_full_every: int = a.checkpoint_full_every
         self.checkpoint_storage_options = dict(checkpoint_storage_options) if checkpoint_storage_options else None
-        self.checkpoint_mtbf = checkpoint_mtbf
+        self.checkpoint_mtbf: float | None = a.checkpoint_mtbf
         self.resume = resume
-        self.force_resume = force_resume
+        self.force_resume: bool = a.force_resume
         trust = signing if signing is None or isinstance(signing, TrustStore) else TrustStore.load(signing)
-        self.signatures = SignatureCheck(trust, require=require_signatures)
-        self.seed = seed
-        self.discover_partitions = discover_partitions
+        self.signatures = SignatureCheck(trust, require=a.require_signatures)
+        self.seed: int = a.seed
+        self.discover_partitions: bool = a.discover_partitions
         self.metrics_path = Path(metrics_path) if metrics_path else None
         self.on_start = on_start
-        self.progress = progress
+        self.progress: bool = a.progress
         self.update_hook = update_hook
-        self.return_freed_memory = return_freed_memory
+        self.return_freed_memory: bool = a.return_freed_memory
         self.settings = {**self._own_settings(), **dict(settings or {})}
 
         # node id -> partition id (discover_partitions); filled by the round loop's discovery.
@@ -710,6 +530,26 @@ class RobustStrategy(Strategy):
         self._said_more_faulty = False  # the warning that more nodes were proven faulty than f, once a run
         self._said_uncounted = False  # the warning about evaluation replies without a count, once a run
         self._pins_checked = False  # key pins of nodes Flower no longer lists freed, once a run (first round)
+
+    def _warn_about_f(self, num_byzantine: int) -> None:
+        """Say once a process when f does not fit the rule (a study builds many strategies)."""
+        if self.aggregator.label == "mean" and num_byzantine > 0 and not _said["plain mean"]:
+            _said["plain mean"] = True
+            log.warning(
+                "aggregator 'mean' with num_byzantine=%d: the plain mean tolerates no faulty reply (one can move "
+                "it anywhere); validation still rejects malformed ones. Pick a robust rule for f > 0, e.g. the "
+                "default %r",
+                num_byzantine,
+                AggregatorConfig.name,
+            )
+        if num_byzantine == 0 and self.aggregator.label != "mean" and not _said["f=0"]:
+            _said["f=0"] = True
+            log.warning(
+                "num_byzantine=0: aggregator %s is configured for no faulty node (f=0; the default pipeline then "
+                "averages every valid reply, as FedAvg does); set num_byzantine to the number of nodes that may "
+                "be faulty",
+                self.aggregator.label,
+            )
 
     # ------------------------------------------------------------------ settings
     def _own_settings(self) -> dict[str, Any]:
@@ -1164,7 +1004,7 @@ class RobustStrategy(Strategy):
         """
         from fedrobust.strategies.round_loop import RoundLoop
 
-        _check(
+        check(
             isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}"
         )
         self._pins_checked = False
@@ -1354,7 +1194,7 @@ def _first_line(text: str | None) -> str:
 
 def _finite(value: object) -> float | None:
     """``value`` as a float when it is a finite real number (not a bool), else None."""
-    return float(value) if _is_number(value) and math.isfinite(value) else None
+    return float(value) if is_number(value) and math.isfinite(value) else None
 
 
 def _trimmed_weighted(values: list[tuple[float, float]], f: int) -> float:

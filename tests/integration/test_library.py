@@ -596,6 +596,8 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         ({"aggregator": "median", "pre": [{"threshold": 5}]}, r"pre-aggregator \{'threshold': 5\} has no 'name'"),
         ({"checkpoint_dir": 5}, r"^checkpoint_dir must be a path or None, got 5 \(int\)"),
         ({"metrics_path": "/tmp"}, r"^metrics_path must be a file \(one JSON line per round\), got the directory"),
+        # Found when the strategy is built, not when round 1 has trained and its row cannot be written.
+        ({"metrics_path": __file__ + "/runs/metrics.jsonl"}, r"^metrics_path .* cannot be written: .*\.py. is a file"),
         ({"server_lr": float("inf")}, r"^server_lr must be finite, got inf"),
         ({"seed": -1}, r"^seed must be an integer >= 0, got -1"),
         ({"aggregator_params": [("trim", 1)]}, r"^aggregator_params must be a mapping of names to values"),
