@@ -17,10 +17,12 @@ raises instead of exiting 1 or 2, with the traceback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Sequence
@@ -306,7 +308,26 @@ def checked_run_config(cfg: DictConfig) -> RunConfig:
     except ConfigError as err:
         if _full_error():
             raise
+        _drop_unused_run_dir()
         _exit_invalid(err.problems)
+
+
+def _drop_unused_run_dir() -> None:
+    """Remove the run folder Hydra made for a refused config when it holds nothing else than Hydra's
+    record and an empty log, so that outputs/ lists runs only. A folder with anything more (a resumed
+    run's checkpoints, a log with lines) is left as it is."""
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    log_file = out_dir / f"{hydra_cfg.job.name}.log"
+    if not out_dir.is_dir() or {p.name for p in out_dir.iterdir()} - {".hydra", log_file.name}:
+        return
+    if log_file.exists() and log_file.stat().st_size > 0:
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty: other runs of the day
+        out_dir.parent.rmdir()  # the day's folder of outputs/, if this was its only run
 
 
 def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:

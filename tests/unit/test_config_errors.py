@@ -314,9 +314,20 @@ def test_parameter_tables_take_a_new_key_without_plus(engine_guard: list[Any], m
 def test_real_hydra_app_exits_2_without_starting_the_engine(
     engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)
+    run_dir = tmp_path / "day" / "run"
+    outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={run_dir}"], monkeypatch, real_hydra=True)
     _assert_one_problem(outcome, "client.lr=-0.1: ", "must be > 0")
     assert not engine_guard
+    assert not (tmp_path / "day").exists()  # Hydra's folder for the refused run, with nothing of a run in it
+
+
+def test_a_refused_config_leaves_a_run_folder_with_more_in_it(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "checkpoints").mkdir()  # e.g. a fixed run folder whose checkpoints a later command resumes
+    outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)
+    assert outcome.code == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "checkpoints", "run.log"]
 
 
 @pytest.mark.parametrize(
