@@ -2,13 +2,16 @@
 
 Usage::
 
-    python -m fedrobust.tls --out certs [--host 127.0.0.1 --host localhost] [--supernodes N] [--force]
+    python -m fedrobust.tls --out certs [--host 127.0.0.1 --host localhost] [--supernodes N] [--keep-ca-key] [--force]
+    python -m fedrobust.tls --out certs --renew [--host ...] [--days D]   # a new server certificate, same CA
 
 TLS files, for ``flower-superlink --ssl-ca-certfile ca.crt --ssl-certfile server.pem --ssl-keyfile
 server.key`` and ``flower-supernode --root-certificates ca.crt``:
 
 - ``ca.crt``: a self-signed CA certificate (PEM). Its private key is used once and never written,
-  so no more certificates can be issued under it; run the command again for a new set.
+  so no more certificates can be issued under it; run the command again for a new set. With
+  ``--keep-ca-key`` it is written as ``ca.key`` (mode 0600; keep it off the server if you can), and
+  ``--renew`` then issues a new server certificate under the same CA: the devices keep their ``ca.crt``.
 - ``server.pem``: the server certificate (PEM) signed by the CA, for every ``--host`` as a
   subjectAltName (IP address or DNS name); clients verify the host they dial against these.
 - ``server.key``: the server's ECDSA P-256 private key (PKCS8 PEM, mode 0600).
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 CA_CERT = "ca.crt"
 SERVER_CERT = "server.pem"
 SERVER_KEY = "server.key"
+CA_KEY = "ca.key"  # written only with keep_ca_key / --keep-ca-key
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 # A certificate is accepted from a little before "now" so that small clock skew between machines does
 # not make a freshly made certificate "not yet valid".
@@ -60,6 +64,7 @@ class TlsFiles:
     ca_cert: Path
     server_cert: Path
     server_key: Path
+    ca_key: Path | None = None  # written only with keep_ca_key
 
 
 def _general_name(host: str) -> x509.GeneralName:
@@ -108,6 +113,7 @@ def generate_tls_certificates(
     *,
     days: int = 365,
     overwrite: bool = False,
+    keep_ca_key: bool = False,
 ) -> TlsFiles:
     """Write a self-signed CA certificate and a server certificate and key signed by it.
 
@@ -123,36 +129,125 @@ def generate_tls_certificates(
     overwrite : bool
         Replace existing files; otherwise any existing output file raises `FileExistsError` before
         anything is written.
+    keep_ca_key : bool
+        Also write the CA's private key, ``ca.key`` (mode 0600), so that :func:`renew_server_certificate`
+        can issue the next server certificate under the same CA and no device needs a new ``ca.crt``.
+        Without it the key is used once and never written.
 
     Returns
     -------
     TlsFiles
-        The paths of ``ca.crt``, ``server.pem`` and ``server.key``.
+        The paths of ``ca.crt``, ``server.pem`` and ``server.key`` (and ``ca.key`` when kept).
     """
+    names = _subject_alt_names(hosts)
+    _check_days(days)
+    out = Path(out_dir)
+    files = TlsFiles(ca_cert=out / CA_CERT, server_cert=out / SERVER_CERT, server_key=out / SERVER_KEY,
+                     ca_key=out / CA_KEY if keep_ca_key else None)
+    # A ca.key left from an earlier set would not match the new CA: it is replaced, or refused, too.
+    _check_writable((files.ca_cert, files.server_cert, files.server_key, out / CA_KEY), overwrite)
+
+    now = datetime.datetime.now(datetime.UTC)
+    not_before, not_after = now - _BACKDATE, now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_cert = _ca_certificate(ca_key, not_before, not_after)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server_cert = _server_certificate(server_key, hosts[0], names, ca_cert, ca_key, not_before, not_after)
+
+    out.mkdir(parents=True, exist_ok=True)
+    if files.ca_key is not None:
+        write_private_file(files.ca_key, _private_pem(ca_key), overwrite=overwrite)
+    elif overwrite and (out / CA_KEY).exists():
+        (out / CA_KEY).unlink()
+    write_private_file(files.server_key, _private_pem(server_key), overwrite=overwrite)
+    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    log.info("wrote TLS CA %s, server certificate %s for %s, key %s (0600)%s",
+             files.ca_cert, files.server_cert, ", ".join(hosts), files.server_key,
+             f", CA key {files.ca_key} (0600)" if files.ca_key else "")
+    return files
+
+
+def renew_server_certificate(out_dir: str | Path, hosts: Sequence[str] = DEFAULT_HOSTS, *, days: int = 365) -> TlsFiles:
+    """Replace ``server.pem`` and ``server.key`` in ``out_dir`` with a new key and a certificate signed by the
+    CA there (``ca.crt`` with the ``ca.key`` that ``keep_ca_key`` wrote). ``ca.crt`` is unchanged, so the
+    SuperNodes and ``flwr`` machines that trust it need nothing new: restart the SuperLink with the new files.
+
+    The new certificate is valid for ``days``, but never past the CA's own end (it would not verify then);
+    a shortened validity is logged. Raises `FileNotFoundError` when ``ca.crt`` or ``ca.key`` is missing (a
+    set made without ``keep_ca_key``: make a new set and give every device its ``ca.crt``), and
+    ValueError when ``ca.key`` is not the key of ``ca.crt`` or the CA has expired.
+    """
+    names = _subject_alt_names(hosts)
+    _check_days(days)
+    out = Path(out_dir)
+    ca_key_path = out / CA_KEY
+    files = TlsFiles(ca_cert=out / CA_CERT, server_cert=out / SERVER_CERT, server_key=out / SERVER_KEY,
+                     ca_key=ca_key_path)
+    for path, made_by in ((files.ca_cert, "a set"), (ca_key_path, "a set made with keep_ca_key/--keep-ca-key")):
+        if not path.exists():
+            raise FileNotFoundError(
+                f"{path} not found: renewing needs {made_by}; without the CA's key make a new set (every device "
+                f"then needs the new {CA_CERT})"
+            )
+    ca_cert = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or ca_key.public_key() != ca_cert.public_key():
+        raise ValueError(f"{ca_key_path} is not the private key of {files.ca_cert}")
+    now = datetime.datetime.now(datetime.UTC)
+    ca_end = ca_cert.not_valid_after_utc
+    if ca_end <= now:
+        raise ValueError(f"the CA {files.ca_cert} expired on {ca_end:%Y-%m-%d}: make a new set")
+    not_after = now + datetime.timedelta(days=days)
+    if not_after > ca_end:
+        log.warning("the server certificate ends with the CA on %s, not in %d days: a new set is due then",
+                    f"{ca_end:%Y-%m-%d}", days)
+        not_after = ca_end
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server_cert = _server_certificate(server_key, hosts[0], names, ca_cert, ca_key, now - _BACKDATE, not_after)
+    # The key first: a SuperLink started in between finds the old certificate with the new key and
+    # refuses to start, rather than serving a certificate whose key is gone.
+    write_private_file(files.server_key, _private_pem(server_key), overwrite=True)
+    temporary = files.server_cert.with_name(f".{SERVER_CERT}.tmp")
+    temporary.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    temporary.replace(files.server_cert)
+    log.info("renewed server certificate %s for %s until %s under CA %s",
+             files.server_cert, ", ".join(hosts), f"{not_after:%Y-%m-%d}", files.ca_cert)
+    return files
+
+
+def _subject_alt_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
     if isinstance(hosts, str):
         raise ValueError(f"hosts must be a sequence of host names, got the string {hosts!r}")
     names = [_general_name(host) for host in hosts]
     if not names:
         raise ValueError("hosts must name at least one IP address or DNS name")
+    return names
+
+
+def _check_days(days: int) -> None:
     if days < 1:
         raise ValueError(f"days must be >= 1, got {days}")
-    out = Path(out_dir)
-    files = TlsFiles(ca_cert=out / CA_CERT, server_cert=out / SERVER_CERT, server_key=out / SERVER_KEY)
-    _check_writable((files.ca_cert, files.server_cert, files.server_key), overwrite)
 
-    now = datetime.datetime.now(datetime.UTC)
-    not_before, not_after = now - _BACKDATE, now + datetime.timedelta(days=days)
 
-    ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_name = x509.Name([
-        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedrobust"),
-        x509.NameAttribute(NameOID.COMMON_NAME, "fedrobust self-signed CA"),
-    ])
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca_cert = (
+def _private_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    pkcs8 = serialization.PrivateFormat.PKCS8
+    return key.private_bytes(serialization.Encoding.PEM, pkcs8, serialization.NoEncryption())
+
+
+_CA_NAME = x509.Name([
+    x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedrobust"),
+    x509.NameAttribute(NameOID.COMMON_NAME, "fedrobust self-signed CA"),
+])
+
+
+def _ca_certificate(
+    ca_key: ec.EllipticCurvePrivateKey, not_before: datetime.datetime, not_after: datetime.datetime
+) -> x509.Certificate:
+    return (
         x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
+        .subject_name(_CA_NAME)
+        .issuer_name(_CA_NAME)
         .public_key(ca_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(not_before)
@@ -166,18 +261,28 @@ def generate_tls_certificates(
             ),
             critical=True,
         )
-        .add_extension(ca_ski, critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA384())
     )
 
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server_cert = (
+
+def _server_certificate(
+    server_key: ec.EllipticCurvePrivateKey,
+    common_name: str,
+    names: list[x509.GeneralName],
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    not_before: datetime.datetime,
+    not_after: datetime.datetime,
+) -> x509.Certificate:
+    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
+    return (
         x509.CertificateBuilder()
         .subject_name(x509.Name([
             x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedrobust"),
-            x509.NameAttribute(NameOID.COMMON_NAME, hosts[0]),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
         ]))
-        .issuer_name(ca_name)
+        .issuer_name(ca_cert.subject)
         .public_key(server_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(not_before)
@@ -197,20 +302,6 @@ def generate_tls_certificates(
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
         .sign(ca_key, hashes.SHA384())
     )
-
-    out.mkdir(parents=True, exist_ok=True)
-    write_private_file(
-        files.server_key,
-        server_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-        overwrite=overwrite,
-    )
-    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    log.info("wrote TLS CA %s, server certificate %s for %s, key %s (0600)",
-             files.ca_cert, files.server_cert, ", ".join(hosts), files.server_key)
-    return files
 
 
 def generate_supernode_keys(out_dir: str | Path, n: int, *, overwrite: bool = False) -> list[tuple[Path, Path]]:
@@ -273,7 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--supernodes", type=int, default=0, metavar="N",
                         help="also write N SuperNode authentication key pairs (default: 0)")
     parser.add_argument("--force", action="store_true", help="overwrite existing files")
+    parser.add_argument("--keep-ca-key", action="store_true",
+                        help="also write the CA's private key (ca.key, 0600), so that --renew can be used later")
+    parser.add_argument("--renew", action="store_true",
+                        help="replace server.pem/server.key in --out with a new certificate under the CA there "
+                        "(ca.crt and the ca.key of --keep-ca-key); ca.crt stays, devices need nothing new")
     args = parser.parse_args(argv)
+    if args.renew and (args.supernodes or args.force or args.keep_ca_key):
+        parser.error("--renew replaces the server certificate and key only: it takes --out, --host and --days")
     if args.days < 1:
         parser.error(f"--days must be >= 1, got {args.days}")
     if args.supernodes < 0:
@@ -281,8 +379,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
     hosts = tuple(args.hosts or DEFAULT_HOSTS)
+    if args.renew:
+        return _renew(args.out, hosts, args.days, parser)
     try:
-        files = generate_tls_certificates(args.out, hosts, days=args.days, overwrite=args.force)
+        files = generate_tls_certificates(
+            args.out, hosts, days=args.days, overwrite=args.force, keep_ca_key=args.keep_ca_key
+        )
         pairs = generate_supernode_keys(args.out, args.supernodes, overwrite=args.force) if args.supernodes else []
     except ValueError as err:
         parser.error(str(err))
@@ -292,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"CA certificate:     {files.ca_cert}")
     print(f"server certificate: {files.server_cert}  (subjectAltName: {', '.join(hosts)})")
     print(f"server key:         {files.server_key}  (mode 0600)")
+    if files.ca_key is not None:
+        print(f"CA key:             {files.ca_key}  (mode 0600; for --renew, keep it safe)")
     for private_path, public_path in pairs:
         print(f"SuperNode key:      {private_path}  (mode 0600), public {public_path}")
     print(
@@ -304,6 +408,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if pairs:
         print("register each SuperNode first: flwr supernode register <supernode-i.pub> <superlink connection>")
+    return 0
+
+
+def _renew(out: Path, hosts: tuple[str, ...], days: int, parser: argparse.ArgumentParser) -> int:
+    try:
+        files = renew_server_certificate(out, hosts, days=days)
+    except ValueError as err:
+        parser.error(str(err))
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    end = x509.load_pem_x509_certificate(files.server_cert.read_bytes()).not_valid_after_utc
+    print(f"server certificate: {files.server_cert}  (subjectAltName: {', '.join(hosts)}; until {end:%Y-%m-%d})")
+    print(f"server key:         {files.server_key}  (mode 0600)")
+    print(f"CA certificate:     {files.ca_cert}  (unchanged: the devices keep theirs)")
+    print("restart the SuperLink with these files; SuperNodes reconnect by themselves")
     return 0
 
 

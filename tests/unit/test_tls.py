@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
-from fedrobust.tls import TlsFiles, generate_supernode_keys, generate_tls_certificates
+from fedrobust.tls import TlsFiles, generate_supernode_keys, generate_tls_certificates, renew_server_certificate
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,62 @@ def test_tls_cli(tmp_path: Path) -> None:
     assert "--ssl-ca-certfile" in result.stdout and "PRIVATE KEY" not in result.stdout
     again = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
     assert again.returncode == 1 and "--force" in again.stderr
+
+
+def test_renewal_issues_a_new_server_certificate_under_the_same_ca(tmp_path: Path) -> None:
+    """What an operator does before the server certificate expires: the devices keep their ca.crt."""
+    first = generate_tls_certificates(tmp_path, hosts=("localhost",), keep_ca_key=True)
+    assert first.ca_key is not None and stat.S_IMODE(first.ca_key.stat().st_mode) == 0o600
+    ca_before, leaf_before = first.ca_cert.read_bytes(), first.server_cert.read_bytes()
+    key_before = first.server_key.read_bytes()
+
+    renewed = renew_server_certificate(tmp_path, hosts=("localhost", "fl.example.org"), days=30)
+    assert renewed.ca_cert.read_bytes() == ca_before  # the devices' trust anchor is untouched
+    assert renewed.server_cert.read_bytes() != leaf_before and renewed.server_key.read_bytes() != key_before
+    assert stat.S_IMODE(renewed.server_key.stat().st_mode) == 0o600
+    _verify(renewed, x509.DNSName("fl.example.org"))  # the new host, against the old CA
+    leaf = x509.load_pem_x509_certificate(renewed.server_cert.read_bytes())
+    assert serialization.load_pem_private_key(renewed.server_key.read_bytes(), None).public_key() == leaf.public_key()
+    assert 29 <= (leaf.not_valid_after_utc - leaf.not_valid_before_utc).days <= 30
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(renewed.server_cert, renewed.server_key)
+    assert _handshake(server_ctx, ssl.create_default_context(cafile=str(first.ca_cert)), "localhost") is None
+
+
+def test_renewal_never_outlives_the_ca_and_needs_its_key(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    files = generate_tls_certificates(tmp_path / "short", days=2, keep_ca_key=True)
+    renew_server_certificate(tmp_path / "short", days=365)
+    ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    leaf = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    assert leaf.not_valid_after_utc == ca.not_valid_after_utc  # past it, the chain would not verify
+    assert "ends with the CA" in caplog.text
+
+    without_key = generate_tls_certificates(tmp_path / "plain")  # the default: the CA key is never written
+    with pytest.raises(FileNotFoundError, match=r"ca\.key not found: renewing needs a set made with .*keep-ca-key"):
+        renew_server_certificate(tmp_path / "plain")
+    assert without_key.ca_key is None
+    other = generate_tls_certificates(tmp_path / "other", keep_ca_key=True)
+    assert other.ca_key is not None
+    (tmp_path / "plain" / "ca.key").write_bytes(other.ca_key.read_bytes())
+    with pytest.raises(ValueError, match=r"is not the private key of .*ca\.crt"):
+        renew_server_certificate(tmp_path / "plain")
+    # A new set over an old one takes the old CA's key away with it: it would sign for a CA nobody trusts.
+    generate_tls_certificates(tmp_path / "other", overwrite=True)
+    assert not (tmp_path / "other" / "ca.key").exists()
+
+
+def test_tls_cli_renew(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    base = [sys.executable, "-m", "fedrobust.tls", "--out", str(out)]
+    made = subprocess.run([*base, "--keep-ca-key"], capture_output=True, text=True, timeout=60, check=False)
+    assert made.returncode == 0, made.stderr
+    assert "ca.key" in made.stdout and sorted(p.name for p in out.iterdir()) == [
+        "ca.crt", "ca.key", "server.key", "server.pem"
+    ]
+    renewed = subprocess.run([*base, "--renew", "--days", "90"], capture_output=True, text=True, timeout=60,
+                             check=False)
+    assert renewed.returncode == 0, renewed.stderr
+    assert "unchanged" in renewed.stdout and "restart the SuperLink" in renewed.stdout
+    mixed = subprocess.run([*base, "--renew", "--supernodes", "2"], capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert mixed.returncode == 2 and "--renew replaces the server certificate and key only" in mixed.stderr
