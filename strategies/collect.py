@@ -9,8 +9,10 @@ grace, not the whole deadline), and never waits without bound.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from flwr.app import Message
 from flwr.serverapp import Grid
@@ -18,6 +20,9 @@ from flwr.serverapp import Grid
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
+# A pull that has not returned after this long is taken to be stuck on one reply (below); a normal one,
+# even of a large model, returns well within it.
+SLOW_PULL_SECONDS = 5.0
 
 
 def push(grid: Grid, messages: Sequence[Message]) -> dict[str, int]:
@@ -103,9 +108,13 @@ def push_and_collect(
     deadline = time.monotonic() + timeout
     ended_early = False
     quorum_met = cut_by_grace = False
+    pulls = _Pulls(grid)
     while pending and time.monotonic() < deadline:
-        for reply in grid.pull_messages(list(pending)):
-            pending.discard(reply.metadata.reply_to_message_id)
+        for reply in pulls.pull(pending, until=deadline):
+            message_id = reply.metadata.reply_to_message_id
+            if message_id not in pending:  # pulled twice: by a stuck call and again on its own
+                continue
+            pending.discard(message_id)
             replies.append(reply)
             if on_reply is not None:
                 on_reply(reply)
@@ -123,3 +132,56 @@ def push_and_collect(
         waited = f"{grace:.0f} s grace after quorum" if cut_by_grace else f"{timeout:.0f} s deadline"
         log.info("%d of %d replies missed the %s", len(pending), len(sent), waited)
     return sent, replies
+
+
+class _Pulls:
+    """``grid.pull_messages`` that never holds a round past its deadline.
+
+    Flower's HTTP grid (deployment) pulls the objects of each listed reply with retries, for up to two
+    hours (``PULL_MAX_TIME``) when a node's upload never completes (a SuperLink error mid-upload): one
+    call then blocks that long, and with it every reply it pulls. So each call runs in a daemon thread
+    and is waited for at most :data:`SLOW_PULL_SECONDS` (and never past the deadline). A call still
+    running then is left to finish on its own and each of its ids is pulled again in a call of its own:
+    the replies that are there come in, and an id whose own call blocks too stays out of later calls
+    until that call returns. Whatever has not come in by the deadline is missed, like a late reply.
+    A fast call, the normal case and always the case in simulation, is waited for in full, so replies
+    arrive in the same order and rounds as with a direct call.
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        self._grid = grid
+        self._done: queue.Queue[tuple[list[Message], BaseException | None]] = queue.Queue()
+        self._alone: dict[str, threading.Thread] = {}  # id -> its own call, after a call with it stuck
+
+    def pull(self, pending: Iterable[str], *, until: float) -> list[Message]:
+        """The replies among ``pending`` that came in (may repeat one: the caller keeps the first)."""
+        ids = [mid for mid in pending if mid not in self._alone]
+        if ids:
+            call = self._start(ids)
+            call.join(max(0.0, min(SLOW_PULL_SECONDS, until - time.monotonic())))
+            if call.is_alive() and time.monotonic() < until:
+                log.warning("pulling %d replies has taken %.0f s: pulling each one on its own", len(ids),
+                            SLOW_PULL_SECONDS)
+                for mid in ids:
+                    self._alone[mid] = self._start([mid])
+        self._alone = {mid: call for mid, call in self._alone.items() if call.is_alive()}
+        replies: list[Message] = []
+        while True:
+            try:
+                pulled, error = self._done.get_nowait()
+            except queue.Empty:
+                return replies
+            if error is not None:
+                raise error
+            replies.extend(pulled)
+
+    def _start(self, ids: list[str]) -> threading.Thread:
+        def call() -> None:
+            try:
+                self._done.put((list(self._grid.pull_messages(ids)), None))
+            except BaseException as error:  # raised again in the round's thread
+                self._done.put(([], error))
+
+        thread = threading.Thread(target=call, name="fedrobust-pull", daemon=True)
+        thread.start()
+        return thread

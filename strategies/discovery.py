@@ -8,13 +8,20 @@ strategy without ``discover_partitions`` never sends the query.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedrobust import protocol
 from fedrobust.strategies.collect import POLL_SECONDS, push
+
+log = logging.getLogger(__name__)
+
+# Error answers that say nothing about the node's ClientApp: the node or the message was gone.
+_TRANSIENT = (ErrorCode.NODE_UNAVAILABLE, ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE)
 
 
 class Discovery:
@@ -30,6 +37,9 @@ class Discovery:
         self.partitions = partitions
         self.answered = answered
         self.pending: dict[str, int] = {}  # query message id -> node id
+        # node id -> why its ClientApp failed the last query (no query handler, a crash at start), until
+        # it answers: a run whose nodes all fail it stops at once instead of asking until the wait ends.
+        self.failed: dict[int, str] = {}
 
     def poll(self, *, needed: int = 0, wait: float = 0.0) -> None:
         """Ask new nodes, take answers in; wait at most ``wait`` s until ``needed`` partitions are known."""
@@ -51,12 +61,27 @@ class Discovery:
             if self.pending:
                 for reply in self.grid.pull_messages(list(self.pending)):
                     node = self.pending.pop(reply.metadata.reply_to_message_id, None)
+                    if node is not None and reply.has_error() and reply.error.code not in _TRANSIENT:
+                        self.failed[node] = " ".join(str(reply.error.reason).split())[:300]
                     if node is None or reply.has_error() or protocol.INFO not in reply.content.config_records:
                         continue
+                    self.failed.pop(node, None)
                     self.answered.add(node)
                     partition = reply.content[protocol.INFO].get(protocol.PARTITION_ID)
                     if isinstance(partition, int):
+                        self._say_if_shared(node, partition)
                         self.partitions[node] = partition
             if len(self.answered) >= needed or time.monotonic() >= deadline:
                 return
             time.sleep(POLL_SECONDS)
+
+    def _say_if_shared(self, node: int, partition: int) -> None:
+        """Warn when two nodes say they hold the same partition: they train on the same data (a node
+        config copied from another device), so the run has fewer distinct clients than it counts."""
+        others = [other for other, held in self.partitions.items() if held == partition and other != node]
+        if others:
+            log.warning(
+                "nodes %s and %d both hold partition-id=%d: they train on the same data; give each node its own "
+                "partition-id in its node config (flower-supernode --node-config)",
+                ", ".join(map(str, others)), node, partition,
+            )

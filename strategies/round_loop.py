@@ -273,6 +273,15 @@ class RoundLoop:
                 break
             if s.stop_requested:
                 raise Preempted("stopped while waiting for nodes")
+            if self.discovery is not None and connected and not s.answered and len(self.discovery.failed) >= connected:
+                node, reason = next(iter(self.discovery.failed.items()))
+                raise NoNodesError(
+                    f"the ClientApp of every connected node ({connected}) failed the partition query, e.g. node "
+                    f"{node}: {reason}; nothing was trained. discover_partitions=True asks each node's ClientApp "
+                    "for its partition-id with a query message: give the ClientApp a query handler, e.g. "
+                    "app.query()(fedrobust.partition_query) (fedrobust's own ClientApp has one), or pass "
+                    "discover_partitions=False"
+                )
             if time.monotonic() >= deadline and connected >= need:
                 raise NoNodesError(
                     f"{connected} nodes connected, but only {have} of the {need} needed (min_available_nodes) "
@@ -289,7 +298,10 @@ class RoundLoop:
                     f"need fewer (min_available_nodes; clients_per_round in fedrobust's run config)"
                 )
             if have != last_said:
-                self.metrics.say(f"waiting for nodes: {have} of {need} connected")
+                # With discovery a node counts once it has said which partition it holds, so say both.
+                counted = f"{have} of {need} answered the partition query ({connected} connected)" if (
+                    self.discovery is not None) else f"{have} of {need} connected"
+                self.metrics.say(f"waiting for nodes: {counted}")
                 last_said = have
             time.sleep(0.2)
         if self.discovery is not None:

@@ -260,12 +260,36 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
         _start_on_honest_nodes(strategy, 5)
 
 
-def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so() -> None:
-    strategy = RobustStrategy(num_byzantine=1, discover_partitions=True, wait_for_nodes=0.5, progress=False)
-    with pytest.raises(NoNodesError, match=r"^5 nodes connected, but only 0 of the 2 needed \(min_available_nodes\) "
-                                           r"answered the partition query within 0.5 s; .*"
+def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so_at_once() -> None:
+    """Every node's ClientApp fails the query: the run stops on those answers, not when the wait ends."""
+    import time
+
+    strategy = RobustStrategy(num_byzantine=1, discover_partitions=True, wait_for_nodes=60, progress=False)
+    started = time.monotonic()
+    with pytest.raises(NoNodesError, match=r"^the ClientApp of every connected node \(5\) failed the partition "
+                                           r"query, e.g. node \d+: .*query.*; nothing was trained\. .*"
                                            r"app.query\(\)\(fedrobust.partition_query\)"):
         _start_on_honest_nodes(strategy, 5)  # its ClientApp has @app.train() only
+    assert time.monotonic() - started < 30
+
+
+def test_partition_discovery_says_when_two_nodes_hold_the_same_partition(caplog: pytest.LogCaptureFixture) -> None:
+    """A node config copied from another device: both train on the same data, which the run should say."""
+    from experiments.inprocess import InProcessGrid, _server_identity, node_ids_for
+    from fedrobust import partition_query
+
+    app = ClientApp()
+    app.train()(train)
+    app.query()(partition_query)
+    ids = node_ids_for(1, 4)
+    nodes = {node_id: {"partition-id": min(i, 2) + 3, "num-partitions": 9} for i, node_id in enumerate(ids)}
+    grid = InProcessGrid(app, 4, seed=0, nodes=nodes)
+    strategy = RobustStrategy(num_byzantine=0, discover_partitions=True, min_available_nodes=4, progress=False)
+    with _server_identity(grid.run.run_id):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    said = [r.getMessage() for r in caplog.records if "both hold partition-id" in r.getMessage()]
+    assert said == [f"nodes {ids[2]} and {ids[3]} both hold partition-id=5: they train on the same data; give each "
+                    "node its own partition-id in its node config (flower-supernode --node-config)"]
 
 
 def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence() -> None:

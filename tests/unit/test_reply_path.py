@@ -13,6 +13,7 @@ import inspect
 import logging
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -525,6 +526,53 @@ def test_after_the_quorum_missing_replies_get_only_the_grace(grace: float) -> No
         assert answered == [100, 101, 102, 103, 104, 105, 106, 107]
         assert waited >= deadline  # node 108 was waited for until the deadline
     assert outcome.aggregated and outcome.accepted == [n for n in answered if n != 103]
+
+
+class _StuckNetwork(_Network):
+    """As :class:`_Network`, but a call that asks for the reply of ``stuck`` once it is listed blocks for
+    ``block`` seconds first and then returns the others that were due, as Flower's HTTP grid does while it
+    retries the objects of a reply whose upload never completes."""
+
+    def __init__(self, replies: dict[str, tuple[float, Message]], stuck: str, block: float) -> None:
+        super().__init__(replies)
+        self._stuck, self._block = stuck, block
+        self._lock = threading.Lock()
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        now = time.monotonic() - self._pushed_at
+        if self._stuck in message_ids and now >= 0.0:
+            time.sleep(self._block)
+            message_ids = [mid for mid in message_ids if mid != self._stuck]
+        with self._lock:
+            due = [mid for mid in message_ids if mid in self._replies and self._replies[mid][0] <= now]
+            return [self._replies.pop(mid)[1] for mid in due]
+
+
+def test_a_reply_whose_pull_never_finishes_holds_no_round_past_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 6's upload never completes: every pull that asks for it blocks far beyond the deadline. The
+    replies pulled in the same call with it still come in (each pulled again on its own), a later one too,
+    and the round ends at its deadline."""
+    from fedrobust.strategies import collect
+
+    monkeypatch.setattr(collect, "SLOW_PULL_SECONDS", 0.3)
+    deadline, block = 2.5, 30.0
+    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions, _ = _round_with_dead_nodes(strategy, {})
+    state = _global()
+    records = [ArrayRecord(s) for s in _locals(state, N, seed=5)]
+    arrivals = {**dict.fromkeys(range(7), 0.0), 7: 1.0}  # node 6 is listed at once, node 7 a second later
+    replies_at = {m.metadata.message_id: (arrivals[i], _reply(m, records[i], 20))
+                  for i, m in enumerate(instructions) if i in arrivals}
+    network = _StuckNetwork(
+        replies_at,
+        stuck=instructions[6].metadata.message_id,
+        block=block,
+    )
+    started = time.monotonic()
+    sent, replies = collect.push_and_collect(network, instructions, timeout=deadline)  # type: ignore[arg-type]
+    waited = time.monotonic() - started
+    assert sorted(sent[r.metadata.reply_to_message_id] for r in replies) == [100, 101, 102, 103, 104, 105, 107]
+    assert deadline <= waited < deadline + 1.0  # not the 30 s the stuck pull takes
 
 
 def test_replies_the_direction_filter_or_the_rule_leaves_out_are_reported_by_node() -> None:
