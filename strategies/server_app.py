@@ -23,8 +23,13 @@ from flwr.serverapp.strategy import Result
 from safetensors.torch import save as safetensors_bytes
 
 from fedrobust import attacks
+from fedrobust.checkpoint import CheckpointMismatchError
 from fedrobust.config import ConfigError, RunConfig, from_flat
+from fedrobust.data import DataUnavailableError
+from fedrobust.dir_lock import DirectoryInUseError
 from fedrobust.run_setup import byzantine_partitions, config_problems, validate
+from fedrobust.strategies.checkpointing import NoValidCheckpointError
+from fedrobust.strategies.errors import AggregationError, CheckpointStorageError, QuorumError
 from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
 from fedrobust.strategies.from_config import strategy_from_config
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
@@ -34,6 +39,34 @@ log = logging.getLogger(__name__)
 # Ray's C++ failure-signal handler would turn SIGTERM into an abort ~3 s after it. Under `flwr run` this
 # module is imported in flwr-simulation before its simulation engine starts Ray (see _chain_ray_sigterm_handler).
 os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+
+# Errors whose message says in one line what went wrong and what to do (as experiments.run prints them):
+# a refused config (checked_run_config logs it line by line), a resume refused, a checkpoint directory in
+# use or not writable, data that cannot be read, nothing (more) trainable, a rule that failed.
+ONE_LINE_ERRORS = (
+    ConfigError, CheckpointMismatchError, NoValidCheckpointError, DirectoryInUseError, CheckpointStorageError,
+    DataUnavailableError, QuorumError, AggregationError,
+)
+_SAID = "_fedrobust_said"  # set on such an error once its line is logged
+
+
+class _SaidWithoutTraceback(logging.Filter):
+    """On Flower's logger: Flower logs a ServerApp's exception with its traceback, some fifteen lines of
+    Flower's own frames under the one line fedrobust already logged. For an error of
+    :data:`ONE_LINE_ERRORS` that line is the message; Flower's record keeps its text, without the frames."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and getattr(error, _SAID, False):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _say_in_one_line(error: BaseException) -> None:
+    if not isinstance(error, ConfigError):  # checked_run_config has logged its lines
+        log.error("fedrobust: run failed: %s", " ".join(str(error).split()))
+    setattr(error, _SAID, True)
 
 
 class StopSignals:
@@ -284,9 +317,20 @@ def make_server_app(
     (:class:`FlowerExitWatch`).
     """
     app = ServerApp()
+    flower_log = logging.getLogger("flwr")
+    if cfg is None and not any(isinstance(f, _SaidWithoutTraceback) for f in flower_log.filters):
+        flower_log.addFilter(_SaidWithoutTraceback())
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        try:
+            run(grid, context)
+        except ONE_LINE_ERRORS as error:
+            if cfg is None:  # under flwr run; experiments.run prints its own line for these
+                _say_in_one_line(error)
+            raise  # the run ends failed, as Flower reports it (flwr ls: finished:failed)
+
+    def run(grid: Grid, context: Context) -> None:
         run_cfg = cfg if cfg is not None else checked_run_config(context.run_config)
         if seed_keys_on_a_deployment(grid, run_cfg):
             log.warning(

@@ -576,3 +576,34 @@ def test_a_misspelled_group_choice_names_the_choices(override: str, monkeypatch:
     _assert_one_problem(outcome, f"{override}: ", f"unknown choice; valid choices in {group}: ")
     choices = outcome.stderr.split(f"valid choices in {group}: ")[1].split(", ")
     assert [c.strip() for c in choices] == sorted(p.stem for p in (run.CONF_DIR / group).glob("*.yaml"))
+
+
+def test_under_flwr_run_a_refused_config_is_its_lines_without_flowers_traceback() -> None:
+    """Flower logs a ServerApp's exception with its traceback under fedrobust's own lines; for the errors
+    fedrobust says in one line (here a refused config) the traceback goes, for any other error it stays."""
+    import io
+    import logging
+
+    from flwr.app import Context, RecordDict
+    from flwr.common.logger import log as flower_log
+
+    from fedrobust.config import ConfigError
+    from fedrobust.strategies.server_app import make_server_app
+
+    app = make_server_app()  # as pyproject.toml's serverapp: the run config comes from Flower
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"client.lr": -0.1})
+    with pytest.raises(ConfigError) as refused:
+        app(None, context)  # type: ignore[arg-type]  # the config is refused before the grid is used
+    seen = io.StringIO()
+    handler = logging.StreamHandler(seen)
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        flower_log(logging.ERROR, "ServerApp raised an exception", exc_info=refused.value)  # what Flower runs
+        assert seen.getvalue() == "ServerApp raised an exception\n"
+        try:
+            raise KeyError("a bug")
+        except KeyError as bug:
+            flower_log(logging.ERROR, "ServerApp raised an exception", exc_info=bug)
+        assert "Traceback (most recent call last)" in seen.getvalue() and "KeyError: 'a bug'" in seen.getvalue()
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
