@@ -15,10 +15,11 @@ model
     (from the data set) when its signature names them (or takes ``**kwargs``).
 dataset
     ``_target_(**params)`` returns ``(train, test)``: each a :class:`torch.utils.data.Dataset` whose
-    items are ``(x, y)`` pairs (a ``TensorDataset`` is read without copying), or a Hugging Face
-    :class:`datasets.Dataset` with an input column ``x`` (or ``image``/``img``/``features``) and an
-    integer ``label`` (or ``y``) column. ``seed`` is passed when the signature names it. Labels are
-    ``0 .. num_classes - 1``; the input shape and number of classes are read from the data. In
+    items are ``(x, y)`` pairs or dicts keyed as the Hugging Face columns below, read once into tensors
+    (a ``TensorDataset`` without copying; int32/int64 inputs keep their dtype, others become float32),
+    or a Hugging Face :class:`datasets.Dataset` with an input column ``x`` (or ``image``/``img``/``features``)
+    and an integer ``label`` (or ``y``/``labels``) column. ``seed`` is passed when the signature names it.
+    Labels are ``0 .. num_classes - 1``; the input shape and number of classes are read from the data. In
     simulation the training set is split among the clients by the configured flwr-datasets
     partitioner (``partition.name``); the test set is the server's central evaluation.
 aggregator
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "UserData",
     "UserRule",
+    "UserSpec",
     "build_model",
     "check_rule",
     "dataset_spec",
@@ -183,20 +185,81 @@ def _resolve(path: str, protocol: str) -> Callable[..., Any]:
 
 # ------------------------------------------------------------------------------------ datasets
 @dataclass(frozen=True)
+class UserSpec(data.DatasetSpec):
+    """A user data set's spec, with the dtype of its inputs (int64 token ids stay int64: :func:`_inputs`)."""
+
+    input_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
 class UserData:
     """A user data set after loading: tensors and the spec read from them."""
 
     train: TensorDataset
     test: TensorDataset
-    spec: data.DatasetSpec
+    spec: UserSpec
 
 
 _INPUT_COLUMNS = ("x", "image", "img", "features")
 _LABEL_COLUMNS = ("label", "y", "labels")
+_ITEM_FORMS = (
+    f"(x, y) pairs, or dicts with an input key ({' or '.join(_INPUT_COLUMNS)}) and a label key "
+    f"({' or '.join(_LABEL_COLUMNS)})"
+)
+
+
+def _inputs(x: Tensor) -> Tensor:
+    """``x`` as the model gets it: int32/int64 (the index types of nn.Embedding, e.g. token ids) as they are, as a
+    DataLoader passes them; anything else as float32, the parameters' dtype: float64, and also uint8 pixels and
+    bool masks, which models take as numbers (as all inputs were converted before integers were kept)."""
+    return x if x.dtype in (torch.int32, torch.int64) else x.float()
+
+
+def _pair(item: Any, what: str) -> tuple[Any, Any]:
+    """``(x, y)`` of one item of a user's Dataset: a pair, or a dict keyed as a Hugging Face Dataset's columns."""
+    if isinstance(item, Mapping):
+        x_key = next((k for k in _INPUT_COLUMNS if k in item), None)
+        y_key = next((k for k in _LABEL_COLUMNS if k in item), None)
+        if x_key is None or y_key is None:
+            raise ValueError(
+                f"the {what} set's items are {type(item).__name__}s with keys {list(item)}; expected {_ITEM_FORMS}"
+            )
+        return item[x_key], item[y_key]
+    if isinstance(item, tuple | list) and len(item) == 2:
+        return item[0], item[1]
+    if isinstance(item, tuple | list):
+        # A third element (a sample weight, an index) would be dropped without a word: training has no use for it.
+        raise ValueError(
+            f"the {what} set's items are {type(item).__name__}s of {len(item)} elements; expected {_ITEM_FORMS} "
+            "(extra elements such as sample weights are not used: return (x, y))"
+        )
+    raise ValueError(f"the {what} set's items are {type(item).__name__}s; expected {_ITEM_FORMS}")
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Whether two reads of an item gave the same tensor (NaN where both have NaN counts as the same)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    both_nan = a.isnan() & b.isnan() if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+    return bool(((a == b) | both_nan).all())
+
+
+def _read_again(split: Any) -> Any:
+    """Item 0 of ``split`` read once more, with the random generators restored after, so that the check leaves
+    the RNG state (and the weights drawn from it next) as it was."""
+    import random
+
+    state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return split[0]
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
 
 
 def _as_tensors(split: Any, what: str) -> TensorDataset:
-    """A split of a user data set as ``(x float32, y int64)`` tensors."""
+    """A split of a user data set as ``(x, y int64)`` tensors, ``x`` as :func:`_inputs` makes it."""
     try:
         import datasets as hf
     except ImportError:  # pragma: no cover - datasets is a dependency
@@ -211,19 +274,36 @@ def _as_tensors(split: Any, what: str) -> TensorDataset:
                 f"({' or '.join(_INPUT_COLUMNS)}) and a label column ({' or '.join(_LABEL_COLUMNS)})"
             )
         arrays = split.with_format("numpy")[:]
-        x = torch.from_numpy(np.asarray(arrays[x_col], dtype=np.float32))
+        column = np.asarray(arrays[x_col])
+        # Unequal rows come as an object array: float32 conversion refuses them, as before.
+        x = torch.from_numpy(column.astype(np.float32) if column.dtype == object else column)
         y = torch.from_numpy(np.asarray(arrays[y_col], dtype=np.int64))
     elif isinstance(split, TensorDataset) and len(split.tensors) == 2:
         x, y = split.tensors
-    elif isinstance(split, Dataset) or hasattr(split, "__getitem__") and hasattr(split, "__len__"):
+    elif isinstance(split, Dataset) or (
+        not isinstance(split, Mapping) and hasattr(split, "__getitem__") and hasattr(split, "__len__")
+    ):
         try:
-            items = [split[i] for i in range(len(split))]
-            x = torch.stack([torch.as_tensor(item[0]) for item in items])
-            y = torch.as_tensor([int(item[1]) for item in items])
+            items = [split[i] for i in range(len(split))]  # type: ignore[arg-type]  # map-style: it has __len__
+        except Exception as err:
+            raise ValueError(f"reading the {what} set's items failed: {type(err).__name__}: {err}") from err
+        pairs = [_pair(item, what) for item in items]
+        try:
+            x = torch.stack([torch.as_tensor(item_x) for item_x, _ in pairs])
+            y = torch.as_tensor([int(item_y) for _, item_y in pairs])
         except Exception as err:
             raise ValueError(
-                f"the {what} set's items are not (x, y) pairs of tensors and integer labels: {err}"
+                f"the {what} set's items are not (x, y) of tensors and integer labels: {type(err).__name__}: {err}"
             ) from err
+        # Items are read once, here, into tensors (fast to train from): a random transform in __getitem__ is
+        # drawn once and then frozen. One more read of item 0 tells whether there is one, at the cost of one item.
+        if len(pairs) and not _same(torch.as_tensor(_pair(_read_again(split), what)[0]), x[0]):
+            logger.warning(
+                "the %s set's item 0 differs between two reads: items are read once into tensors, so random "
+                "transforms in __getitem__ are drawn once and the same for every epoch and round; apply "
+                "augmentation in the model's forward (in training mode) or precompute augmented copies",
+                what,
+            )
     else:
         raise ValueError(f"the {what} set is a {type(split).__name__}; expected {DATASET_PROTOCOL}")
     if len(x) == 0 or len(x) != len(y) or y.dim() != 1:
@@ -236,7 +316,7 @@ def _as_tensors(split: Any, what: str) -> TensorDataset:
     y = y.long()
     if int(y.min()) < 0:
         raise ValueError(f"the {what} set has negative labels; labels must be 0 .. num_classes - 1")
-    return TensorDataset(x.float().contiguous(), y.contiguous())
+    return TensorDataset(_inputs(x).contiguous(), y.contiguous())
 
 
 @functools.lru_cache(maxsize=4)
@@ -250,19 +330,26 @@ def _load_user(path: str, params_json: str, seed: int) -> UserData:
     if not isinstance(out, tuple | list) or len(out) != 2:
         raise ValueError(f"{describe(loader)} returned a {type(out).__name__}; expected (train, test)")
     train, test = _as_tensors(out[0], "training"), _as_tensors(out[1], "test")
-    if train.tensors[0].shape[1:] != test.tensors[0].shape[1:]:
+    x_train, x_test = train.tensors[0], test.tensors[0]
+    if x_train.dtype != x_test.dtype and not x_train.is_floating_point() and not x_test.is_floating_point():
+        x_test = x_test.to(x_train.dtype)  # int32 and int64 ids are the same ids
+        test = TensorDataset(x_test, test.tensors[1])
+    if x_train.shape[1:] != x_test.shape[1:] or x_train.dtype != x_test.dtype:
         raise ValueError(
-            f"training inputs of shape {tuple(train.tensors[0].shape[1:])} and test inputs of shape "
-            f"{tuple(test.tensors[0].shape[1:])} differ"
+            f"training inputs of shape {tuple(x_train.shape[1:])} and dtype {x_train.dtype} and test inputs of "
+            f"shape {tuple(x_test.shape[1:])} and dtype {x_test.dtype} differ"
         )
     num_classes = int(max(train.tensors[1].max(), test.tensors[1].max())) + 1
-    spec = data.DatasetSpec(input_shape=tuple(int(s) for s in train.tensors[0].shape[1:]), num_classes=num_classes)
+    spec = UserSpec(
+        input_shape=tuple(int(s) for s in x_train.shape[1:]), num_classes=num_classes, input_dtype=x_train.dtype
+    )
     logger.info(
-        "loaded data set %s: %d training and %d test samples, input %s, %d classes",
+        "loaded data set %s: %d training and %d test samples, input %s %s, %d classes",
         path,
         len(train),
         len(test),
         spec.input_shape,
+        spec.input_dtype,
         num_classes,
     )
     return UserData(train, test, spec)
@@ -345,7 +432,16 @@ def load_local(path: str, cfg: RunConfig) -> TensorDataset:
     """A device's own data file or directory (node config ``data-path``) for the configured data set."""
     if not cfg.dataset._target_:
         return data.load_local(path, cfg.dataset.name)
-    return data.load_local(path, dataset_spec(cfg))
+    spec = user_data(cfg).spec
+    x, y = data.load_local(path, spec).tensors
+    if spec.input_dtype.is_floating_point:
+        x = x.float()  # integer features in the file feed a float model, as before integers were kept
+    elif x.is_floating_point():
+        raise ValueError(
+            f"data-path {path!r} has float inputs, but the data set's are {spec.input_dtype} (e.g. token ids): "
+            "store x as integers"
+        )
+    return TensorDataset(x.to(spec.input_dtype), y)
 
 
 # ------------------------------------------------------------------------------------ models
@@ -368,22 +464,28 @@ def build_model(model: ModelConfig, spec: data.DatasetSpec) -> nn.Module:
 
 def check_model(net: nn.Module, spec: data.DatasetSpec) -> None:
     """Raise ValueError unless ``net`` maps a batch of the data set's inputs to ``[b, num_classes]`` logits."""
-    batch = torch.zeros(2, *spec.input_shape)
+    # Zeros of the data's dtype: a valid index for an nn.Embedding as well as a valid float input.
+    batch = torch.zeros(2, *spec.input_shape, dtype=getattr(spec, "input_dtype", torch.float32))
+    fed = f"a batch of shape {list(batch.shape)} and dtype {batch.dtype}"
     was_training = net.training
     net.eval()
     try:
         with torch.no_grad():
             out = net(batch)
     except Exception as err:
+        hint = "" if batch.is_floating_point() else (
+            "; int32/int64 inputs reach the model as they are (e.g. token ids for an nn.Embedding): for a model that "
+            "takes numbers, return float inputs from the data set"
+        )
         raise ValueError(
-            f"its forward pass on a batch of shape {list(batch.shape)} failed: {type(err).__name__}: {err}"
+            f"its forward pass on {fed} (the data set's) failed: {type(err).__name__}: {err}{hint}"
         ) from err
     finally:
         net.train(was_training)
     if not isinstance(out, Tensor) or tuple(out.shape) != (2, spec.num_classes):
         shape = list(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(
-            f"maps a batch of shape {list(batch.shape)} to {shape}; expected logits "
+            f"maps {fed} to {shape}; expected logits "
             f"[2, {spec.num_classes}] ({spec.num_classes} classes in the data set)"
         )
 

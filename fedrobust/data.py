@@ -672,6 +672,14 @@ def _to_tensors(name: str, split: datasets.Dataset) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def _user_inputs(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A user data set's inputs from a device file: int32/int64 (e.g. token ids for an nn.Embedding) as they are,
+    anything else as float32 (fedrobust.components gives them the dtype of the data set's training inputs)."""
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x.astype(np.float32) if x.dtype == object else x)
+    return x if x.dtype in (torch.int32, torch.int64) else x.float()
+
+
 def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorDataset:
     """A device's own data set, prepared beforehand on the device (deployment).
 
@@ -687,7 +695,8 @@ def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorD
 
         ``x`` must have the input shape of data set ``name`` (e.g. 64 features for digits) and
         ``y`` integer labels in ``[0, num_classes)``; ``x`` is used as given (normalise it as the
-        central data set is).
+        central data set is), as float32, except that a user data set's (a ``DatasetSpec``'s) int32 or
+        int64 ``x`` (e.g. token ids) keeps its dtype.
     name : str or DatasetSpec
         The configured data set, whose input shape and classes the model was built for; a user data set
         (``dataset._target_``) is given by its spec, and its ``save_to_disk`` directory has the columns
@@ -711,7 +720,7 @@ def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorD
         if _DIGITS_FEATURE not in table.column_names or column is None:
             raise ValueError(f"{where}: a save_to_disk directory needs columns 'x' and 'label' (or 'y'), "
                              f"found {table.column_names}")
-        x = torch.from_numpy(np.asarray(table[_DIGITS_FEATURE], dtype=np.float32))
+        x = _user_inputs(np.asarray(table[_DIGITS_FEATURE]))
         y = torch.from_numpy(np.asarray(table[column], dtype=np.int64))
     elif where.is_dir():
         import datasets
@@ -722,14 +731,19 @@ def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorD
         with np.load(where, allow_pickle=False) as arrays:
             if not {"x", "y"} <= set(arrays.files):
                 raise ValueError(f"{where}: an .npz data file needs arrays 'x' and 'y', found {arrays.files}")
-            x, y = torch.from_numpy(arrays["x"].astype(np.float32)), torch.from_numpy(arrays["y"].astype(np.int64))
+            if isinstance(name, DatasetSpec):
+                x = _user_inputs(arrays["x"])
+            else:
+                x = torch.from_numpy(arrays["x"].astype(np.float32))
+            y = torch.from_numpy(arrays["y"].astype(np.int64))
     elif where.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         tensors = load_file(str(where))
         if not {"x", "y"} <= set(tensors):
             raise ValueError(f"{where}: a .safetensors data file needs tensors 'x' and 'y', found {sorted(tensors)}")
-        x, y = tensors["x"].float(), tensors["y"].long()
+        x = _user_inputs(tensors["x"]) if isinstance(name, DatasetSpec) else tensors["x"].float()
+        y = tensors["y"].long()
     else:
         raise ValueError(f"{where}: unknown data format; use a .npz or .safetensors file or a save_to_disk directory")
     if tuple(x.shape[1:]) != tuple(spec.input_shape) or len(x) != len(y) or len(y) == 0:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.sgd import sgd
 from torch.utils.data import DataLoader, Dataset
 
@@ -148,6 +149,20 @@ def _seeded_global_rng(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+def _has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str, *args: object) -> None:
+    """Log ``message`` at the first call per process: a client trains every round, and once says it."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning(message, *args)
+
+
 def _check_dataset_size(dataset: Dataset, what: str) -> int:
     size = len(dataset)  # type: ignore[arg-type]
     if size == 0:
@@ -180,7 +195,8 @@ def train(
     epochs : int
         Passes over the dataset (>= 1).
     batch_size : int
-        Mini-batch size (>= 1); the last batch of an epoch may be smaller.
+        Mini-batch size (>= 1); the last batch of an epoch may be smaller. A last batch of one sample is dropped
+        from each epoch when the model has batch norm (which cannot normalise a single sample while training).
     lr : float
         Learning rate (> 0).
     momentum : float, default 0.0
@@ -202,7 +218,8 @@ def train(
     -------
     dict[str, float]
         ``loss`` and ``accuracy``: mean cross-entropy and accuracy over the batches of the last epoch, measured
-        while training; ``num_examples``: the dataset size (int); ``seconds``: wall time of the call.
+        while training; ``num_examples``: the dataset size (int), a dropped sample included; ``seconds``: wall
+        time of the call.
 
     Raises
     ------
@@ -225,6 +242,18 @@ def train(
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     else:
         optimizer = _FunctionalSGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    # Batch norm in training mode cannot normalise a batch of one sample ("Expected more than 1 value per channel
+    # when training"): drop that lone last sample, as drop_last would; only then, so that every other case keeps
+    # its bytes. The sampler draws the same order either way: only which sample sits out changes, per epoch.
+    drop_last = num_examples > batch_size and num_examples % batch_size == 1 and _has_batch_norm(model)
+    if drop_last:
+        _log_once(
+            "the model has batch norm and a partition of %d examples leaves a last batch of 1 (batch_size %d): "
+            "that sample is left out of each epoch (a different one each epoch)",
+            num_examples,
+            batch_size,
+        )
+    seen = num_examples - 1 if drop_last else num_examples
     # The generator alone decides the batch order (RandomSampler and the loader's base seed draw from it).
     loader = DataLoader(
         dataset,
@@ -232,6 +261,7 @@ def train(
         shuffle=True,
         generator=torch.Generator().manual_seed(seed),
         pin_memory=device.type == "cuda",
+        drop_last=drop_last,
     )
     non_blocking = device.type == "cuda"
 
@@ -258,12 +288,12 @@ def train(
                 loss_sum += loss.detach().float() * targets.shape[0]
                 correct += (logits.detach().argmax(dim=1) == targets).sum()
 
-    mean_loss = loss_sum.item() / num_examples
+    mean_loss = loss_sum.item() / seen
     if not math.isfinite(mean_loss):
         logger.warning("training loss is %s (lr=%s): the local model diverged", mean_loss, lr)
     return {
         "loss": mean_loss,
-        "accuracy": correct.item() / num_examples,
+        "accuracy": correct.item() / seen,
         "num_examples": num_examples,
         "seconds": time.perf_counter() - start,
     }
