@@ -578,6 +578,9 @@ def rule_identity(target: Callable[..., Any]) -> dict[str, Any]:
     return {"name": _rule_label(target), "code": code, "state": state}
 
 
+_SAID_F: set[tuple[str, int, int]] = set()
+
+
 def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any]) -> Rule:
     """The rule a ``_target_`` (dotted path) or a callable names, built with ``f`` and ``params``.
 
@@ -589,11 +592,26 @@ def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any
     """
     label = _rule_label(target)
     factory = _resolve(target, RULE_PROTOCOL) if isinstance(target, str) else target
+    if not isinstance(factory, Rule) and not callable(factory):
+        raise ValueError(f"aggregator {target!r} is neither a rule name, a dotted path nor callable")
+    # Called with the rows ([n, d] -> [d]) rather than built from parameters: a Rule, an object built
+    # already, a plain function of the updates.
+    takes_one = not isinstance(factory, type) and _required_positionals(factory) == 1
+    is_rule_itself = isinstance(factory, Rule) or takes_one and not _accepts(factory, "f")
+    if is_rule_itself and params:
+        raise ValueError(
+            f"{label} is called with the updates, not built: aggregator parameters {sorted(params)} apply to a "
+            "class or a factory; give its class with them, or build it with them"
+        )
+    own_f = getattr(factory, "f", None) if is_rule_itself else None
+    if isinstance(own_f, int) and not isinstance(own_f, bool) and own_f != f and (label, own_f, f) not in _SAID_F:
+        _SAID_F.add((label, own_f, f))  # once: the rule is built for its contract check and for the run
+        logger.warning(
+            "aggregator %s was built with f=%d, but num_byzantine=%d: the rule tolerates %d faulty rows; build "
+            "it with f=%d or give its class", label, own_f, f, own_f, f,
+        )
     if isinstance(factory, Rule):
         return factory  # built already, with its own f
-    if not callable(factory):
-        raise ValueError(f"aggregator {target!r} is neither a rule name, a dotted path nor callable")
-    takes_one = not isinstance(factory, type) and _required_positionals(factory) == 1
     if takes_one and not params and not _accepts(factory, "f"):
         # Called with nothing, it could not be a factory: it is the [n, d] -> [d] rule itself (a plain
         # function, or an object built already), as a user coming from Flower's strategies writes one.

@@ -189,7 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
-    if (args.clients is None) == (args.replace is None):
+    if args.clients is not None and args.replace is not None:
+        parser.error("--clients and --replace cannot be combined: --replace ID [ID ...] writes new keys for the "
+                     "devices named; --clients N (with --add to keep the existing keys) writes keys for N devices")
+    if args.clients is None and args.replace is None:
         parser.error("give --clients N (with --add to keep the existing keys), or --replace ID [ID ...]")
     try:
         if args.replace is not None:

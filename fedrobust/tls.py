@@ -104,7 +104,8 @@ def _check_writable(paths: Iterable[Path], overwrite: bool) -> None:
         return
     existing = [path for path in paths if path.exists()]
     if existing:
-        raise FileExistsError(f"{existing[0]} exists (and {len(existing) - 1} more); pass overwrite/--force to replace")
+        # The command line's flag: the Python API's callers read overwrite=True in the docstring.
+        raise FileExistsError(f"{existing[0]} exists (and {len(existing) - 1} more); pass --force to replace")
 
 
 def generate_tls_certificates(

@@ -8,6 +8,7 @@ user would build by hand.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,16 @@ from fedrobust import server_optim, signing
 from fedrobust.config import RunConfig
 from fedrobust.strategies.evaluation import server_update_fn
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
+
+
+def resolved_json(cfg: RunConfig) -> str:
+    """The run's config as it ran, for ``resolved_config.json``: where a ``_target_`` picks a user component,
+    the built-in ``name`` it stands in for is null, so that the file does not read as if the built-in ran."""
+    values = dataclasses.asdict(cfg)
+    for section in ("aggregator", "dataset", "model"):
+        if values[section]["_target_"]:
+            values[section]["name"] = None
+    return json.dumps(values, sort_keys=True)
 
 
 def run_settings(cfg: RunConfig) -> dict[str, Any]:
@@ -93,7 +104,7 @@ def strategy_from_config(
         discover_partitions=True,
         metrics_path=out_dir / "metrics.jsonl" if out_dir is not None else None,
         # Once the run goes ahead: a refused resume leaves the record of the earlier run's settings alone.
-        on_start=(lambda _first: (out_dir / "resolved_config.json").write_text(cfg.to_json())) if out_dir else None,
+        on_start=(lambda _: (out_dir / "resolved_config.json").write_text(resolved_json(cfg))) if out_dir else None,
         progress=progress,
         update_hook=update_hook,
         # Lazy: the root data set is loaded only if the rule asks for the server's update (fltrust).

@@ -210,13 +210,16 @@ def _chain_ray_sigterm_handler() -> None:
 _chain_ray_sigterm_handler()
 
 
-def checked_run_config(run_config: Mapping[str, Any]) -> RunConfig:
+def checked_run_config(run_config: Mapping[str, Any], *, local_devices: bool = False) -> RunConfig:
     """The :class:`RunConfig` of Flower's run config, with every problem logged on its own line.
 
     Parameters
     ----------
     run_config : Mapping[str, Any]
         ``context.run_config``: ``[tool.flwr.app.config]`` with the ``--run-config`` overrides.
+    local_devices : bool
+        The clients run on this machine (a simulation): a ``client.device`` it lacks (``cuda`` without
+        a GPU) is refused here, rather than failing in every ClientApp of round 1.
 
     Returns
     -------
@@ -239,7 +242,7 @@ def checked_run_config(run_config: Mapping[str, Any]) -> RunConfig:
             refused = {line.split("=", 1)[0] for line in problems}
             problems += [line for line in config_problems(err.partial) if not any(k in line for k in refused)]
     else:
-        problems = config_problems(run_cfg)
+        problems = config_problems(run_cfg, local_devices=local_devices)
         if run_cfg.attack.name in attacks.omniscient_names():
             # They need every honest update of a round, which only the Hydra simulation's hook hands
             # them (experiments.adversary); here they would silently do nothing.
@@ -331,7 +334,11 @@ def make_server_app(
             raise  # the run ends failed, as Flower reports it (flwr ls: finished:failed)
 
     def run(grid: Grid, context: Context) -> None:
-        run_cfg = cfg if cfg is not None else checked_run_config(context.run_config)
+        from flwr.superlink.grid import HttpGrid
+
+        # Flower's simulation runs the ClientApps on this machine; a deployment's run on devices of their own.
+        simulated = not isinstance(grid, HttpGrid)
+        run_cfg = cfg if cfg is not None else checked_run_config(context.run_config, local_devices=simulated)
         if seed_keys_on_a_deployment(grid, run_cfg):
             log.warning(
                 "signing.require=true without signing.trust_dir on the Deployment Engine: replies are checked "

@@ -342,9 +342,10 @@ def test_user_components_train_in_a_hydra_experiment(on_path: Path, tmp_path: Pa
     assert cfg.model.params == {"hidden": 32}
     rows = run_inprocess(cfg, tmp_path / "out")
     assert len(rows) == 3 and rows[-1]["accuracy"] > 0.5, rows  # chance: 0.1; 0.71 with this seed
-    assert json.loads((tmp_path / "out" / "resolved_config.json").read_text())["aggregator"]["_target_"].endswith(
-        "CoordinateMedian"
-    )
+    resolved = json.loads((tmp_path / "out" / "resolved_config.json").read_text())
+    assert resolved["aggregator"]["_target_"].endswith("CoordinateMedian")
+    # The built-in names the targets stand in for are not recorded as if they had run.
+    assert [resolved[s]["name"] for s in ("aggregator", "dataset", "model")] == [None, None, None]
 
 
 def _experiment_command(
@@ -428,3 +429,28 @@ def test_user_components_train_under_flwr_run(user_dir: Path, tmp_path: Path) ->
     assert [r["round"] for r in rows] == [1, 2, 3] and rows[-1]["accuracy"] > 0.5, rows  # chance: 0.1
     resolved = json.loads((out / "resolved_config.json").read_text())
     assert resolved["model"]["_target_"] == f"{MODULE}.Net"
+
+
+def test_a_rule_built_already_takes_no_parameters_and_its_own_f_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    from fedrobust import RobustStrategy
+
+    class TrimByNorm:
+        def __init__(self, f: int = 0, keep: float = 0.5) -> None:
+            self.f, self.keep = f, keep
+
+        def __call__(self, updates: torch.Tensor) -> torch.Tensor:
+            order = updates.norm(dim=1).argsort()
+            return updates[order[: max(1, int(len(updates) * self.keep))]].mean(0)
+
+    def median(updates: torch.Tensor) -> torch.Tensor:
+        return updates.median(dim=0).values
+
+    for built in (TrimByNorm(f=1), median):  # a message that named a missing 'updates' argument before
+        with pytest.raises(ValueError, match=r"is called with the updates, not built: aggregator parameters "
+                                             r"\['keep'\] apply to a class or a factory"):
+            RobustStrategy(aggregator=built, aggregator_params={"keep": 0.1}, num_byzantine=1)
+    RobustStrategy(aggregator=TrimByNorm, aggregator_params={"keep": 0.4}, num_byzantine=2)  # the class takes them
+    RobustStrategy(aggregator=TrimByNorm(f=0), num_byzantine=3)
+    said = [r.getMessage() for r in caplog.records if "was built with f=" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("was built with f=0, but num_byzantine=3: the rule tolerates 0 "
+                                               "faulty rows; build it with f=3 or give its class")

@@ -607,3 +607,18 @@ def test_under_flwr_run_a_refused_config_is_its_lines_without_flowers_traceback(
         assert "Traceback (most recent call last)" in seen.getvalue() and "KeyError: 'a bug'" in seen.getvalue()
     finally:
         logging.getLogger("flwr").removeHandler(handler)
+
+
+def test_under_flwr_run_in_simulation_a_device_this_machine_lacks_is_refused_before_round_1() -> None:
+    """Flower's simulation runs the ClientApps here: client.device=cuda:99 is refused by the ServerApp, as by
+    experiments.run, instead of failing in every ClientApp of round 1. (On a deployment, an HttpGrid, the
+    devices are the SuperNodes' own and are not judged here.)"""
+    from flwr.app import Context, RecordDict
+
+    from fedrobust.config import ConfigError
+    from fedrobust.strategies.server_app import make_server_app
+
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={"client.device": "cuda:99"})
+    with pytest.raises(ConfigError) as refused:
+        make_server_app()(None, context)  # type: ignore[arg-type]  # no grid: an in-memory one, as in simulation
+    assert [p.split(":")[0] for p in refused.value.problems] == ["client.device=cuda"]

@@ -670,6 +670,8 @@ def test_keygen_cli_writes_keys_and_trust_store(tmp_path: Path) -> None:
     assert forced.returncode == 0, forced.stderr
     assert (out / "client-0.key").read_bytes() != before
     assert stat.S_IMODE((out / "client-0.key").stat().st_mode) == 0o600
+    both = _keygen("--out", str(out), "--clients", "6", "--replace", "1")
+    assert both.returncode == 2 and "--clients and --replace cannot be combined" in both.stderr
 
 
 def test_keygen_adds_a_device_and_replaces_a_leaked_key_keeping_the_others(tmp_path: Path) -> None:
