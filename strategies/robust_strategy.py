@@ -1009,6 +1009,12 @@ class RobustStrategy(Strategy):
         )
         self._pins_checked = False
         self._said_more_faulty = self._said_uncounted = False  # said once a run
+        wide = sorted(k for k, a in initial_arrays.items() if a.dtype == "float64")
+        if wide:
+            log.warning(
+                "%d float64 arrays (%s): the server aggregates and steps the model in float32, so each round they "
+                "come back rounded to float32 values (still typed float64): their float64 precision is not kept", len(wide), ", ".join(wide[:3]) + (", ..." if len(wide) > 3 else ""),
+            )
         loop = RoundLoop(
             self,
             grid,

@@ -972,3 +972,24 @@ except Preempted as stopped:
     )
     assert "checkpointed: True" in done.stdout
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("round-*")) == ["round-000001"]
+
+
+def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCaptureFixture) -> None:
+    """The server's update matrix and step are float32: a float64 model keeps its dtype but not its
+    precision, which the run says at its start rather than leaving a user to find out from the bytes."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    app = _echo_app(lambda _: {"num-examples": 10})
+    grid = InProcessGrid(app, 3, seed=0)
+    model = make_net().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-12)  # values float32 cannot hold
+    assert not all(torch.equal(t, t.float().double()) for t in model.state_dict().values())
+    strategy = RobustStrategy(aggregator="mean", progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=1)
+    said = [r.getMessage() for r in caplog.records if "float64 arrays" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("their float64 precision is not kept")
+    final = result.arrays.to_torch_state_dict()
+    assert all(t.dtype == torch.float64 and torch.equal(t, t.float().double()) for t in final.values())
