@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from flwr.app import Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05
-# A pull that has not returned after this long is taken to be stuck on one reply (below); a normal one,
-# even of a large model, returns well within it.
+# How long one pull is waited for before the next starts beside it (_Pulls); a slow pull is not cut
+# short, its replies count when it returns.
 SLOW_PULL_SECONDS = 5.0
 
 
@@ -110,7 +111,7 @@ def push_and_collect(
     quorum_met = cut_by_grace = False
     pulls = _Pulls(grid)
     while pending and time.monotonic() < deadline:
-        for reply in pulls.pull(pending, until=deadline):
+        for reply in pulls.pull(pending):
             message_id = reply.metadata.reply_to_message_id
             if message_id not in pending:  # pulled twice: by a stuck call and again on its own
                 continue
@@ -135,53 +136,63 @@ def push_and_collect(
 
 
 class _Pulls:
-    """``grid.pull_messages`` that never holds a round past its deadline.
+    """``grid.pull_messages`` that does not hold a round past its deadline for a reply that never arrives.
 
-    Flower's HTTP grid (deployment) pulls the objects of each listed reply with retries, for up to two
-    hours (``PULL_MAX_TIME``) when a node's upload never completes (a SuperLink error mid-upload): one
-    call then blocks that long, and with it every reply it pulls. So each call runs in a daemon thread
-    and is waited for at most :data:`SLOW_PULL_SECONDS` (and never past the deadline). A call still
-    running then is left to finish on its own and each of its ids is pulled again in a call of its own:
-    the replies that are there come in, and an id whose own call blocks too stays out of later calls
-    until that call returns. Whatever has not come in by the deadline is missed, like a late reply.
-    A fast call, the normal case and always the case in simulation, is waited for in full, so replies
-    arrive in the same order and rounds as with a direct call.
+    Flower's HTTP grid (deployment) takes the listed replies off the SuperLink and then downloads their
+    objects one reply after the other, retrying for up to two hours (``PULL_MAX_TIME``) when a node's
+    upload never completes (a SuperLink error mid-upload): that call then blocks, with every reply it
+    took. So each call runs in a daemon thread and is waited for at most :data:`SLOW_PULL_SECONDS`. A
+    call still running then is held: its replies count whenever it returns before the round ends, and
+    the next calls pull the other replies meanwhile. Those calls are told ``MESSAGE_UNAVAILABLE`` for the
+    ids the held call took off the SuperLink; such an answer is not the node's reply and is dropped
+    while the holding call runs. The round ends at its deadline (a call is waited for up to
+    :data:`SLOW_PULL_SECONDS` past it, for the replies it has already taken); replies a held call took
+    with the stuck one are lost with it, as they would come hours late. A fast call, the normal case
+    and always the case in simulation, is waited for in full: replies arrive in the same order and
+    rounds as with a direct call.
     """
 
     def __init__(self, grid: Grid) -> None:
         self._grid = grid
-        self._done: queue.Queue[tuple[list[Message], BaseException | None]] = queue.Queue()
-        self._alone: dict[str, threading.Thread] = {}  # id -> its own call, after a call with it stuck
+        self._done: queue.Queue[tuple[threading.Thread, list[Message], BaseException | None]] = queue.Queue()
+        self._held: dict[threading.Thread, frozenset[str]] = {}  # calls waited for past SLOW_PULL_SECONDS
 
-    def pull(self, pending: Iterable[str], *, until: float) -> list[Message]:
-        """The replies among ``pending`` that came in (may repeat one: the caller keeps the first)."""
-        ids = [mid for mid in pending if mid not in self._alone]
-        if ids:
-            call = self._start(ids)
-            call.join(max(0.0, min(SLOW_PULL_SECONDS, until - time.monotonic())))
-            if call.is_alive() and time.monotonic() < until:
-                log.warning("pulling %d replies has taken %.0f s: pulling each one on its own", len(ids),
-                            SLOW_PULL_SECONDS)
-                for mid in ids:
-                    self._alone[mid] = self._start([mid])
-        self._alone = {mid: call for mid, call in self._alone.items() if call.is_alive()}
+    def pull(self, pending: Iterable[str]) -> list[Message]:
+        """The replies among ``pending`` that came in (a held call's may repeat one: keep the first)."""
+        ids = frozenset(pending)
+        call = self._start(ids)
+        call.join(SLOW_PULL_SECONDS)
+        if call.is_alive():
+            log.warning("pulling %d replies has taken more than %.0f s (a reply whose upload does not complete?): "
+                        "pulling the others meanwhile", len(ids), SLOW_PULL_SECONDS)
+            self._held[call] = ids
         replies: list[Message] = []
         while True:
             try:
-                pulled, error = self._done.get_nowait()
+                source, pulled, error = self._done.get_nowait()
             except queue.Empty:
-                return replies
+                break
             if error is not None:
                 raise error
-            replies.extend(pulled)
+            held_elsewhere = {mid for holder, held in self._held.items() if holder is not source and
+                              holder.is_alive() for mid in held}
+            replies.extend(m for m in pulled if not (_unavailable(m) and m.metadata.reply_to_message_id in
+                                                     held_elsewhere))
+        self._held = {holder: held for holder, held in self._held.items() if holder.is_alive()}
+        return replies
 
-    def _start(self, ids: list[str]) -> threading.Thread:
+    def _start(self, ids: frozenset[str]) -> threading.Thread:
         def call() -> None:
             try:
-                self._done.put((list(self._grid.pull_messages(ids)), None))
+                self._done.put((thread, list(self._grid.pull_messages(sorted(ids))), None))
             except BaseException as error:  # raised again in the round's thread
-                self._done.put(([], error))
+                self._done.put((thread, [], error))
 
         thread = threading.Thread(target=call, name="fedrobust-pull", daemon=True)
         thread.start()
         return thread
+
+
+def _unavailable(message: Message) -> bool:
+    """The SuperLink's answer for a message it no longer has (here: a reply another call took)."""
+    return message.has_error() and message.error.code == ErrorCode.MESSAGE_UNAVAILABLE

@@ -529,29 +529,41 @@ def test_after_the_quorum_missing_replies_get_only_the_grace(grace: float) -> No
 
 
 class _StuckNetwork(_Network):
-    """As :class:`_Network`, but a call that asks for the reply of ``stuck`` once it is listed blocks for
-    ``block`` seconds first and then returns the others that were due, as Flower's HTTP grid does while it
-    retries the objects of a reply whose upload never completes."""
+    """As :class:`_Network`, with Flower's HTTP grid's order of work: a call takes every listed reply off the
+    SuperLink, then downloads them one by one; the download of ``stuck``'s reply blocks for ``block`` seconds
+    (an upload that never completes). Asked again, a reply already taken is ``MESSAGE_UNAVAILABLE``."""
 
-    def __init__(self, replies: dict[str, tuple[float, Message]], stuck: str, block: float) -> None:
+    def __init__(
+        self, replies: dict[str, tuple[float, Message]], instructions: list[Message], stuck: str, block: float
+    ) -> None:
         super().__init__(replies)
+        self._instructions = {m.metadata.message_id: m for m in instructions}
         self._stuck, self._block = stuck, block
+        self._taken: set[str] = set()
         self._lock = threading.Lock()
 
     def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        from flwr.app import Error
+        from flwr.common.constant import ErrorCode
+
         now = time.monotonic() - self._pushed_at
-        if self._stuck in message_ids and now >= 0.0:
-            time.sleep(self._block)
-            message_ids = [mid for mid in message_ids if mid != self._stuck]
         with self._lock:
             due = [mid for mid in message_ids if mid in self._replies and self._replies[mid][0] <= now]
-            return [self._replies.pop(mid)[1] for mid in due]
+            taken = [self._replies.pop(mid)[1] for mid in due]
+            gone = [mid for mid in message_ids if mid in self._taken]
+            self._taken.update(due)
+        error = Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason="not found")
+        unavailable = [Message(error, reply_to=self._instructions[mid]) for mid in gone]
+        if self._stuck in due:
+            time.sleep(self._block)
+        return taken + unavailable
 
 
 def test_a_reply_whose_pull_never_finishes_holds_no_round_past_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Node 6's upload never completes: every pull that asks for it blocks far beyond the deadline. The
-    replies pulled in the same call with it still come in (each pulled again on its own), a later one too,
-    and the round ends at its deadline."""
+    """Node 6's upload never completes: the call that takes its reply blocks far beyond the deadline. The
+    replies before it count, node 7's, which arrives while that call is held, too (the SuperLink's
+    MESSAGE_UNAVAILABLE for node 6, asked again, is not taken for its reply), and the round ends at its
+    deadline instead of after the blocked download."""
     from fedrobust.strategies import collect
 
     monkeypatch.setattr(collect, "SLOW_PULL_SECONDS", 0.3)
@@ -560,19 +572,16 @@ def test_a_reply_whose_pull_never_finishes_holds_no_round_past_its_deadline(monk
     instructions, _ = _round_with_dead_nodes(strategy, {})
     state = _global()
     records = [ArrayRecord(s) for s in _locals(state, N, seed=5)]
-    arrivals = {**dict.fromkeys(range(7), 0.0), 7: 1.0}  # node 6 is listed at once, node 7 a second later
+    arrivals = {**dict.fromkeys(range(6), 0.0), 6: 0.5, 7: 1.0}
     replies_at = {m.metadata.message_id: (arrivals[i], _reply(m, records[i], 20))
                   for i, m in enumerate(instructions) if i in arrivals}
-    network = _StuckNetwork(
-        replies_at,
-        stuck=instructions[6].metadata.message_id,
-        block=block,
-    )
+    network = _StuckNetwork(replies_at, instructions, stuck=instructions[6].metadata.message_id, block=block)
     started = time.monotonic()
     sent, replies = collect.push_and_collect(network, instructions, timeout=deadline)  # type: ignore[arg-type]
     waited = time.monotonic() - started
+    assert not any(r.has_error() for r in replies)
     assert sorted(sent[r.metadata.reply_to_message_id] for r in replies) == [100, 101, 102, 103, 104, 105, 107]
-    assert deadline <= waited < deadline + 1.0  # not the 30 s the stuck pull takes
+    assert deadline <= waited < deadline + 1.0  # not the 30 s the blocked download takes
 
 
 def test_replies_the_direction_filter_or_the_rule_leaves_out_are_reported_by_node() -> None:
