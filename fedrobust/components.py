@@ -581,6 +581,18 @@ def rule_identity(target: Callable[..., Any]) -> dict[str, Any]:
 _SAID_F: set[tuple[str, int, int]] = set()
 
 
+def _binds(factory: Callable[..., Any], params: Mapping[str, Any]) -> bool:
+    """Whether ``factory(**params)`` binds: then one required parameter is a setting, e.g.
+    ``make_clipped_mean(clip)`` with ``clip`` in the params, not the updates."""
+    if not params:
+        return False
+    try:
+        inspect.signature(factory).bind(**params)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any]) -> Rule:
     """The rule a ``_target_`` (dotted path) or a callable names, built with ``f`` and ``params``.
 
@@ -597,7 +609,8 @@ def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any
     # Called with the rows ([n, d] -> [d]) rather than built from parameters: a Rule, an object built
     # already, a plain function of the updates.
     takes_one = not isinstance(factory, type) and _required_positionals(factory) == 1
-    is_rule_itself = isinstance(factory, Rule) or takes_one and not _accepts(factory, "f")
+    called_with_rows = takes_one and not _accepts(factory, "f") and not _binds(factory, params)
+    is_rule_itself = isinstance(factory, Rule) or called_with_rows
     if is_rule_itself and params:
         raise ValueError(
             f"{label} is called with the updates, not built: aggregator parameters {sorted(params)} apply to a "

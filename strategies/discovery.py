@@ -75,10 +75,18 @@ class Discovery:
                 return
             time.sleep(POLL_SECONDS)
 
+    def failed_now(self) -> dict[int, str]:
+        """The connected nodes whose ClientApp failed its last query, and why."""
+        connected = set(self.grid.get_node_ids())
+        return {node: why for node, why in self.failed.items() if node in connected}
+
     def _say_if_shared(self, node: int, partition: int) -> None:
-        """Warn when two nodes say they hold the same partition: they train on the same data (a node
-        config copied from another device), so the run has fewer distinct clients than it counts."""
-        others = [other for other, held in self.partitions.items() if held == partition and other != node]
+        """Warn when two connected nodes say they hold the same partition: they train on the same data (a
+        node config copied from another device), so the run has fewer distinct clients than it counts. A
+        node that left (a SuperNode restarted under a new id) does not count."""
+        connected = set(self.grid.get_node_ids())
+        others = [other for other, held in self.partitions.items()
+                  if held == partition and other != node and other in connected]
         if others:
             log.warning(
                 "nodes %s and %d both hold partition-id=%d: they train on the same data; give each node its own "

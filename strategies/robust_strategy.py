@@ -1013,7 +1013,9 @@ class RobustStrategy(Strategy):
         if wide:
             log.warning(
                 "%d float64 arrays (%s): the server aggregates and steps the model in float32, so each round they "
-                "come back rounded to float32 values (still typed float64): their float64 precision is not kept", len(wide), ", ".join(wide[:3]) + (", ..." if len(wide) > 3 else ""),
+                "come back rounded to float32 values (still typed float64): their float64 precision is not kept",
+                len(wide),
+                ", ".join(wide[:3]) + (", ..." if len(wide) > 3 else ""),
             )
         loop = RoundLoop(
             self,

@@ -273,8 +273,11 @@ class RoundLoop:
                 break
             if s.stop_requested:
                 raise Preempted("stopped while waiting for nodes")
-            if self.discovery is not None and connected and not s.answered and len(self.discovery.failed) >= connected:
-                node, reason = next(iter(self.discovery.failed.items()))
+            failed = self.discovery.failed_now() if self.discovery is not None else {}
+            # Only once enough nodes are connected and every one of them failed: a first node that fails
+            # (a crash, one misconfigured device) does not stop a run whose healthy nodes are on the way.
+            if connected >= need and not s.answered and len(failed) >= connected:
+                node, reason = next(iter(failed.items()))
                 raise NoNodesError(
                     f"the ClientApp of every connected node ({connected}) failed the partition query, e.g. node "
                     f"{node}: {reason}; nothing was trained. discover_partitions=True asks each node's ClientApp "

@@ -29,7 +29,7 @@ from fedrobust.data import DataUnavailableError
 from fedrobust.dir_lock import DirectoryInUseError
 from fedrobust.run_setup import byzantine_partitions, config_problems, validate
 from fedrobust.strategies.checkpointing import NoValidCheckpointError
-from fedrobust.strategies.errors import AggregationError, CheckpointStorageError, QuorumError
+from fedrobust.strategies.errors import CheckpointStorageError, QuorumError
 from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
 from fedrobust.strategies.from_config import strategy_from_config
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
@@ -43,10 +43,11 @@ os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 # Errors whose message says in one line what went wrong and what to do (as experiments.run prints them):
 # a refused config (checked_run_config logs it line by line), a resume refused, a checkpoint directory in
-# use or not writable, data that cannot be read, nothing (more) trainable, a rule that failed.
+# use or not writable, data that cannot be read, nothing (more) trainable. Not AggregationError: its
+# traceback shows where in the user's rule the error is.
 ONE_LINE_ERRORS = (
     ConfigError, CheckpointMismatchError, NoValidCheckpointError, DirectoryInUseError, CheckpointStorageError,
-    DataUnavailableError, QuorumError, AggregationError,
+    DataUnavailableError, QuorumError,
 )
 _SAID = "_fedrobust_said"  # set on such an error once its line is logged
 

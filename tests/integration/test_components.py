@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -450,6 +451,11 @@ def test_a_rule_built_already_takes_no_parameters_and_its_own_f_is_said(caplog: 
                                              r"\['keep'\] apply to a class or a factory"):
             RobustStrategy(aggregator=built, aggregator_params={"keep": 0.1}, num_byzantine=1)
     RobustStrategy(aggregator=TrimByNorm, aggregator_params={"keep": 0.4}, num_byzantine=2)  # the class takes them
+
+    def make_clipped_mean(clip: float) -> Callable[[torch.Tensor], torch.Tensor]:  # a factory of one setting
+        return lambda rows: rows.clamp(-clip, clip).mean(0)
+
+    RobustStrategy(aggregator=make_clipped_mean, aggregator_params={"clip": 0.5}, num_byzantine=1)
     RobustStrategy(aggregator=TrimByNorm(f=0), num_byzantine=3)
     said = [r.getMessage() for r in caplog.records if "was built with f=" in r.getMessage()]
     assert len(said) == 1 and said[0].endswith("was built with f=0, but num_byzantine=3: the rule tolerates 0 "

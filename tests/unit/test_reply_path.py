@@ -722,3 +722,53 @@ def test_a_partition_query_the_grid_refuses_is_asked_again_at_the_next_poll_not_
         discovery.poll(needed=2, wait=0.2)
     assert sum("did not take" in m for m in caplog.messages) == 2  # the next poll asks again
     assert discovery.pending == {"q1": 1}
+
+
+def test_discovery_judges_only_the_nodes_still_connected(caplog: pytest.LogCaptureFixture) -> None:
+    """Node 1's ClientApp fails the query and node 1 leaves; node 3 (a SuperNode restarted under a new id)
+    then says it holds node 1's partition. Neither a failure nor a shared partition of a node that left counts."""
+    from flwr.app import Error
+    from flwr.common.constant import ErrorCode
+
+    from fedrobust import protocol
+    from fedrobust.strategies.discovery import Discovery
+
+    _instructions(RobustStrategy(aggregator="median", progress=False), _global(), 1, 1)  # the task's identity
+
+    class Nodes:
+        def __init__(self) -> None:
+            self.connected = [1, 2]
+            self.asked: dict[str, Message] = {}
+
+        def get_node_ids(self) -> list[int]:
+            return list(self.connected)
+
+        def push_messages(self, messages: list[Message]) -> list[str]:
+            for m in messages:
+                m.metadata.__dict__["_message_id"] = f"q{m.metadata.dst_node_id}"
+                self.asked[m.metadata.message_id] = m
+            return [m.metadata.message_id for m in messages]
+
+        def pull_messages(self, message_ids: list[str]) -> list[Message]:
+            replies = []
+            for mid in message_ids:
+                query = self.asked.pop(mid)
+                node = query.metadata.dst_node_id
+                if node == 1:
+                    failed = Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason="boom")
+                    replies.append(Message(failed, reply_to=query))
+                else:
+                    info = ConfigRecord({protocol.PARTITION_ID: 0 if node == 3 else 1})
+                    replies.append(Message(RecordDict({protocol.INFO: info}), reply_to=query))
+            return replies
+
+    grid = Nodes()
+    discovery = Discovery(grid, {}, set())  # type: ignore[arg-type]
+    discovery.poll()
+    assert discovery.failed_now() == {1: "boom"} and discovery.partitions == {2: 1}
+    discovery.partitions[1] = 0  # what node 1 said in an earlier run of the loop, before it failed and left
+    grid.connected = [2, 3]
+    discovery.poll()
+    assert discovery.failed_now() == {}  # node 1 left: its failure no longer counts
+    assert discovery.partitions[3] == 0
+    assert not [m for m in caplog.messages if "both hold partition-id" in m]
