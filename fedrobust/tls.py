@@ -51,6 +51,7 @@ CA_CERT = "ca.crt"
 SERVER_CERT = "server.pem"
 SERVER_KEY = "server.key"
 CA_KEY = "ca.key"  # written only with keep_ca_key / --keep-ca-key
+CA_DAYS_KEPT = 3650  # a CA whose key is kept, to renew server certificates under: ten years
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 # A certificate is accepted from a little before "now" so that small clock skew between machines does
 # not make a freshly made certificate "not yet valid".
@@ -115,6 +116,7 @@ def generate_tls_certificates(
     days: int = 365,
     overwrite: bool = False,
     keep_ca_key: bool = False,
+    ca_days: int | None = None,
 ) -> TlsFiles:
     """Write a self-signed CA certificate and a server certificate and key signed by it.
 
@@ -134,6 +136,9 @@ def generate_tls_certificates(
         Also write the CA's private key, ``ca.key`` (mode 0600), so that :func:`renew_server_certificate`
         can issue the next server certificate under the same CA and no device needs a new ``ca.crt``.
         Without it the key is used once and never written.
+    ca_days : int, optional
+        Validity of the CA certificate; default ``days``, or ten years with ``keep_ca_key`` (the server
+        certificates renewed under it can then outlive the first one).
 
     Returns
     -------
@@ -148,10 +153,14 @@ def generate_tls_certificates(
     # A ca.key left from an earlier set would not match the new CA: it is replaced, or refused, too.
     _check_writable((files.ca_cert, files.server_cert, files.server_key, out / CA_KEY), overwrite)
 
+    ca_days = ca_days if ca_days is not None else (CA_DAYS_KEPT if keep_ca_key else days)
+    _check_days(ca_days)
+    if ca_days < days:
+        raise ValueError(f"ca_days ({ca_days}) must be >= days ({days}): the server certificate cannot outlive its CA")
     now = datetime.datetime.now(datetime.UTC)
     not_before, not_after = now - _BACKDATE, now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_cert = _ca_certificate(ca_key, not_before, not_after)
+    ca_cert = _ca_certificate(ca_key, not_before, now + datetime.timedelta(days=ca_days))
     server_key = ec.generate_private_key(ec.SECP256R1())
     server_cert = _server_certificate(server_key, hosts[0], names, ca_cert, ca_key, not_before, not_after)
 
@@ -169,19 +178,22 @@ def generate_tls_certificates(
     return files
 
 
-def renew_server_certificate(out_dir: str | Path, hosts: Sequence[str] = DEFAULT_HOSTS, *, days: int = 365) -> TlsFiles:
+def renew_server_certificate(out_dir: str | Path, hosts: Sequence[str] | None = None, *, days: int = 365) -> TlsFiles:
     """Replace ``server.pem`` and ``server.key`` in ``out_dir`` with a new key and a certificate signed by the
     CA there (``ca.crt`` with the ``ca.key`` that ``keep_ca_key`` wrote). ``ca.crt`` is unchanged, so the
     SuperNodes and ``flwr`` machines that trust it need nothing new: restart the SuperLink with the new files.
 
+    ``hosts`` default to those of the current ``server.pem`` (so the devices keep dialing what they dial).
     The new certificate is valid for ``days``, but never past the CA's own end (it would not verify then);
     a shortened validity is logged. Raises `FileNotFoundError` when ``ca.crt`` or ``ca.key`` is missing (a
     set made without ``keep_ca_key``: make a new set and give every device its ``ca.crt``), and
     ValueError when ``ca.key`` is not the key of ``ca.crt`` or the CA has expired.
     """
-    names = _subject_alt_names(hosts)
     _check_days(days)
     out = Path(out_dir)
+    if hosts is None:
+        hosts = _current_hosts(out / SERVER_CERT)
+    names = _subject_alt_names(hosts)
     ca_key_path = out / CA_KEY
     files = TlsFiles(ca_cert=out / CA_CERT, server_cert=out / SERVER_CERT, server_key=out / SERVER_KEY,
                      ca_key=ca_key_path)
@@ -192,7 +204,10 @@ def renew_server_certificate(out_dir: str | Path, hosts: Sequence[str] = DEFAULT
                 f"then needs the new {CA_CERT})"
             )
     ca_cert = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
-    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+    try:
+        ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+    except (TypeError, ValueError) as err:  # a password-protected or damaged key
+        raise ValueError(f"{ca_key_path} cannot be read as an unencrypted private key: {err}") from None
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or ca_key.public_key() != ca_cert.public_key():
         raise ValueError(f"{ca_key_path} is not the private key of {files.ca_cert}")
     now = datetime.datetime.now(datetime.UTC)
@@ -206,15 +221,28 @@ def renew_server_certificate(out_dir: str | Path, hosts: Sequence[str] = DEFAULT
         not_after = ca_end
     server_key = ec.generate_private_key(ec.SECP256R1())
     server_cert = _server_certificate(server_key, hosts[0], names, ca_cert, ca_key, now - _BACKDATE, not_after)
-    # The key first: a SuperLink started in between finds the old certificate with the new key and
-    # refuses to start, rather than serving a certificate whose key is gone.
-    write_private_file(files.server_key, _private_pem(server_key), overwrite=True)
-    temporary = files.server_cert.with_name(f".{SERVER_CERT}.tmp")
-    temporary.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    temporary.replace(files.server_cert)
+    # Both written in full beside the old ones first, then renamed over them one right after the other: a
+    # failure while writing leaves the old pair as it was.
+    new_key = files.server_key.with_name(f".{SERVER_KEY}.new")
+    new_key.unlink(missing_ok=True)
+    write_private_file(new_key, _private_pem(server_key))
+    new_cert = files.server_cert.with_name(f".{SERVER_CERT}.new")
+    new_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    new_key.replace(files.server_key)
+    new_cert.replace(files.server_cert)
     log.info("renewed server certificate %s for %s until %s under CA %s",
              files.server_cert, ", ".join(hosts), f"{not_after:%Y-%m-%d}", files.ca_cert)
     return files
+
+
+def _current_hosts(server_cert: Path) -> list[str]:
+    """The addresses of the current server certificate's subjectAltName."""
+    if not server_cert.exists():
+        raise FileNotFoundError(f"{server_cert} not found: give the addresses the devices dial (hosts / --host)")
+    sans = x509.load_pem_x509_certificate(server_cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    ).value
+    return [*sans.get_values_for_type(x509.DNSName), *(str(ip) for ip in sans.get_values_for_type(x509.IPAddress))]
 
 
 def _subject_alt_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
@@ -359,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         dest="hosts",
         metavar="HOST",
-        help="IP address or DNS name clients dial; repeat for several (default: 127.0.0.1 and localhost)",
+        help="IP address or DNS name clients dial; repeat for several (default: 127.0.0.1 and localhost; "
+        "with --renew, those of the current server certificate)",
     )
     parser.add_argument("--days", type=int, default=365, help="certificate validity in days (default: 365)")
     parser.add_argument("--supernodes", type=int, default=0, metavar="N",
@@ -379,9 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--supernodes must be >= 0, got {args.supernodes}")
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out} exists and is not a directory")
+    if args.renew:  # without --host: the addresses of the current server certificate
+        return _renew(args.out, tuple(args.hosts) if args.hosts else None, args.days, parser)
     hosts = tuple(args.hosts or DEFAULT_HOSTS)
-    if args.renew:
-        return _renew(args.out, hosts, args.days, parser)
     try:
         files = generate_tls_certificates(
             args.out, hosts, days=args.days, overwrite=args.force, keep_ca_key=args.keep_ca_key
@@ -412,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _renew(out: Path, hosts: tuple[str, ...], days: int, parser: argparse.ArgumentParser) -> int:
+def _renew(out: Path, hosts: tuple[str, ...] | None, days: int, parser: argparse.ArgumentParser) -> int:
     try:
         files = renew_server_certificate(out, hosts, days=days)
     except ValueError as err:
@@ -421,7 +450,8 @@ def _renew(out: Path, hosts: tuple[str, ...], days: int, parser: argparse.Argume
         print(f"error: {err}", file=sys.stderr)
         return 1
     end = x509.load_pem_x509_certificate(files.server_cert.read_bytes()).not_valid_after_utc
-    print(f"server certificate: {files.server_cert}  (subjectAltName: {', '.join(hosts)}; until {end:%Y-%m-%d})")
+    names = ", ".join(_current_hosts(files.server_cert))
+    print(f"server certificate: {files.server_cert}  (subjectAltName: {names}; until {end:%Y-%m-%d})")
     print(f"server key:         {files.server_key}  (mode 0600)")
     print(f"CA certificate:     {files.ca_cert}  (unchanged: the devices keep theirs)")
     print("restart the SuperLink with these files; SuperNodes reconnect by themselves")

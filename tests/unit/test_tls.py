@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import ipaddress
 import re
 import ssl
@@ -176,8 +177,27 @@ def test_renewal_issues_a_new_server_certificate_under_the_same_ca(tmp_path: Pat
     assert _handshake(server_ctx, ssl.create_default_context(cafile=str(first.ca_cert)), "localhost") is None
 
 
+def test_a_kept_ca_outlives_the_server_certificates_renewed_under_it(tmp_path: Path) -> None:
+    """Renewing before the server certificate expires must push its end back: with its key kept, the CA is
+    made for ten years, the first server certificate for --days; a renewal without hosts keeps the current
+    certificate's addresses (the devices dial those)."""
+    files = generate_tls_certificates(tmp_path, hosts=("fl.example.org", "10.0.0.5"), days=30, keep_ca_key=True)
+    ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+    first = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    assert (ca.not_valid_after_utc - ca.not_valid_before_utc).days >= 3649
+    assert (first.not_valid_after_utc - first.not_valid_before_utc).days <= 30
+    renew_server_certificate(tmp_path, days=365)
+    renewed = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    assert renewed.not_valid_after_utc > first.not_valid_after_utc + datetime.timedelta(days=300)
+    _verify(files, x509.DNSName("fl.example.org"))
+    _verify(files, x509.IPAddress(ipaddress.ip_address("10.0.0.5")))
+    assert not generate_tls_certificates(tmp_path / "plain").ca_key  # without the key kept: one life for both
+    with pytest.raises(ValueError, match=r"ca_days \(10\) must be >= days \(30\)"):
+        generate_tls_certificates(tmp_path / "bad", days=30, ca_days=10)
+
+
 def test_renewal_never_outlives_the_ca_and_needs_its_key(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    files = generate_tls_certificates(tmp_path / "short", days=2, keep_ca_key=True)
+    files = generate_tls_certificates(tmp_path / "short", days=2, keep_ca_key=True, ca_days=2)
     renew_server_certificate(tmp_path / "short", days=365)
     ca = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
     leaf = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
@@ -193,6 +213,14 @@ def test_renewal_never_outlives_the_ca_and_needs_its_key(tmp_path: Path, caplog:
     (tmp_path / "plain" / "ca.key").write_bytes(other.ca_key.read_bytes())
     with pytest.raises(ValueError, match=r"is not the private key of .*ca\.crt"):
         renew_server_certificate(tmp_path / "plain")
+    locked = serialization.load_pem_private_key(other.ca_key.read_bytes(), None).private_bytes(  # type: ignore[union-attr]
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")
+    )
+    (tmp_path / "plain" / "ca.key").write_bytes(locked)
+    before = (tmp_path / "plain" / "server.key").read_bytes()
+    with pytest.raises(ValueError, match=r"cannot be read as an unencrypted private key"):
+        renew_server_certificate(tmp_path / "plain")
+    assert (tmp_path / "plain" / "server.key").read_bytes() == before  # the pair in place is untouched
     # A new set over an old one takes the old CA's key away with it: it would sign for a CA nobody trusts.
     generate_tls_certificates(tmp_path / "other", overwrite=True)
     assert not (tmp_path / "other" / "ca.key").exists()
