@@ -673,11 +673,12 @@ def _to_tensors(name: str, split: datasets.Dataset) -> TensorDataset:
 
 
 def _user_inputs(x: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """A user data set's inputs from a device file: int32/int64 (e.g. token ids for an nn.Embedding) as they are,
-    anything else as float32 (fedrobust.components gives them the dtype of the data set's training inputs)."""
+    """A user data set's inputs from a device file: integers (e.g. token ids for an nn.Embedding, stored as
+    uint16 to save space) as they are, anything else as float32; fedrobust.components then gives them the
+    dtype of the data set's training inputs."""
     if isinstance(x, np.ndarray):
         x = torch.from_numpy(x.astype(np.float32) if x.dtype == object else x)
-    return x if x.dtype in (torch.int32, torch.int64) else x.float()
+    return x if not x.is_floating_point() and x.dtype != torch.bool else x.float()
 
 
 def load_local(path: str | os.PathLike[str], name: str | DatasetSpec) -> TensorDataset:

@@ -29,7 +29,6 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim.sgd import sgd
 from torch.utils.data import DataLoader, Dataset
 
@@ -149,8 +148,10 @@ def _seeded_global_rng(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _has_batch_norm(model: nn.Module) -> bool:
-    return any(isinstance(m, _BatchNorm) for m in model.modules())
+def _has_batch_norm_1d(model: nn.Module) -> bool:
+    """BatchNorm1d: on ``[1, C]`` it has one value per channel and fails in training; BatchNorm2d/3d
+    (the built-in resnet's) train on one sample, whose spatial values are several per channel."""
+    return any(isinstance(m, nn.BatchNorm1d) for m in model.modules())
 
 
 _logged: set[str] = set()
@@ -196,7 +197,7 @@ def train(
         Passes over the dataset (>= 1).
     batch_size : int
         Mini-batch size (>= 1); the last batch of an epoch may be smaller. A last batch of one sample is dropped
-        from each epoch when the model has batch norm (which cannot normalise a single sample while training).
+        from each epoch when the model has BatchNorm1d (which cannot normalise a single sample while training).
     lr : float
         Learning rate (> 0).
     momentum : float, default 0.0
@@ -245,10 +246,10 @@ def train(
     # Batch norm in training mode cannot normalise a batch of one sample ("Expected more than 1 value per channel
     # when training"): drop that lone last sample, as drop_last would; only then, so that every other case keeps
     # its bytes. The sampler draws the same order either way: only which sample sits out changes, per epoch.
-    drop_last = num_examples > batch_size and num_examples % batch_size == 1 and _has_batch_norm(model)
+    drop_last = num_examples > batch_size and num_examples % batch_size == 1 and _has_batch_norm_1d(model)
     if drop_last:
         _log_once(
-            "the model has batch norm and a partition of %d examples leaves a last batch of 1 (batch_size %d): "
+            "the model has BatchNorm1d and a partition of %d examples leaves a last batch of 1 (batch_size %d): "
             "that sample is left out of each epoch (a different one each epoch)",
             num_examples,
             batch_size,

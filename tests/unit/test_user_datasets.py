@@ -144,6 +144,10 @@ def test_a_device_file_of_token_ids_keeps_them(tmp_path: Path) -> None:
     np.savez(tmp_path / "ids.npz", x=x.numpy().astype(np.int32), y=y.numpy())
     local = components.load_local(str(tmp_path / "ids.npz"), cfg)
     assert local.tensors[0].dtype == torch.int64 and torch.equal(local.tensors[0], x)
+    for small in (np.uint16, np.uint8, np.int16):  # ids stored small to save space are ids too
+        np.savez(tmp_path / "small.npz", x=x.numpy().astype(small), y=y.numpy())
+        local = components.load_local(str(tmp_path / "small.npz"), cfg)
+        assert local.tensors[0].dtype == torch.int64 and torch.equal(local.tensors[0], x), small
     np.savez(tmp_path / "floats.npz", x=x.numpy().astype(np.float32), y=y.numpy())
     with pytest.raises(ValueError, match="float inputs.*torch.int64"):
         components.load_local(str(tmp_path / "floats.npz"), cfg)
@@ -243,3 +247,19 @@ def test_the_drop_applies_only_to_batch_norm_and_a_last_batch_of_one() -> None:
         net = Sees(norm)
         training.train(net, _blobs(n), epochs=1, batch_size=8, lr=0.1, device="cpu", seed=0)
         assert net.seen == seen, (norm, n)
+
+    class Conv(nn.Module):
+        """BatchNorm2d, as the built-in resnet: one sample has 2x2 values per channel, it trains on all 17."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(8, 2))
+            self.seen = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen += len(x)
+            return self.body(x.reshape(-1, 1, 2, 2))
+
+    conv = Conv()
+    training.train(conv, _blobs(17), epochs=1, batch_size=8, lr=0.1, device="cpu", seed=0)
+    assert conv.seen == 17
