@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -315,7 +316,8 @@ def checked_run_config(cfg: DictConfig) -> RunConfig:
 def _drop_unused_run_dir() -> None:
     """Remove the run folder Hydra made for a refused config when it holds nothing else than Hydra's
     record and an empty log, so that outputs/ lists runs only. A folder with anything more (a resumed
-    run's checkpoints, a log with lines) is left as it is."""
+    run's checkpoints, a log with lines) is left as it is. (Two commands started in the same second share
+    Hydra's default folder; a valid one that has logged nothing yet would lose its .hydra/ and log there.)"""
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
@@ -326,8 +328,10 @@ def _drop_unused_run_dir() -> None:
     if log_file.exists() and log_file.stat().st_size > 0:
         return
     shutil.rmtree(out_dir, ignore_errors=True)
-    with contextlib.suppress(OSError):  # not empty: other runs of the day
-        out_dir.parent.rmdir()  # the day's folder of outputs/, if this was its only run
+    day = out_dir.parent
+    if day.parent.name == "outputs" and re.fullmatch(r"\d{4}-\d{2}-\d{2}", day.name):  # Hydra's default layout
+        with contextlib.suppress(OSError):  # not empty: other runs of the day
+            day.rmdir()
 
 
 def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:

@@ -314,11 +314,12 @@ def test_parameter_tables_take_a_new_key_without_plus(engine_guard: list[Any], m
 def test_real_hydra_app_exits_2_without_starting_the_engine(
     engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    run_dir = tmp_path / "day" / "run"
-    outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={run_dir}"], monkeypatch, real_hydra=True)
+    day = tmp_path / "outputs" / "2026-11-27"  # Hydra's default layout: outputs/<day>/<time>
+    outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={day / '10-00-00'}"], monkeypatch, real_hydra=True)
     _assert_one_problem(outcome, "client.lr=-0.1: ", "must be > 0")
     assert not engine_guard
-    assert not (tmp_path / "day").exists()  # Hydra's folder for the refused run, with nothing of a run in it
+    assert not day.exists()  # Hydra's folder for the refused run, with nothing of a run in it, and its day's
+    assert (tmp_path / "outputs").exists()
 
 
 def test_a_refused_config_leaves_a_run_folder_with_more_in_it(
@@ -328,6 +329,9 @@ def test_a_refused_config_leaves_a_run_folder_with_more_in_it(
     outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)
     assert outcome.code == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", "checkpoints", "run.log"]
+    # A fixed folder outside Hydra's outputs/<day>/<time> layout: its parent is the user's, never removed.
+    outcome = _cli(["client.lr=-0.1", f"hydra.run.dir={tmp_path / 'mine' / 'run'}"], monkeypatch, real_hydra=True)
+    assert outcome.code == 2 and (tmp_path / "mine").exists() and not (tmp_path / "mine" / "run").exists()
 
 
 @pytest.mark.parametrize(
