@@ -153,7 +153,7 @@ def generate_tls_certificates(
     # A ca.key left from an earlier set would not match the new CA: it is replaced, or refused, too.
     _check_writable((files.ca_cert, files.server_cert, files.server_key, out / CA_KEY), overwrite)
 
-    ca_days = ca_days if ca_days is not None else (CA_DAYS_KEPT if keep_ca_key else days)
+    ca_days = ca_days if ca_days is not None else (max(CA_DAYS_KEPT, days) if keep_ca_key else days)
     _check_days(ca_days)
     if ca_days < days:
         raise ValueError(f"ca_days ({ca_days}) must be >= days ({days}): the server certificate cannot outlive its CA")
@@ -239,10 +239,14 @@ def _current_hosts(server_cert: Path) -> list[str]:
     """The addresses of the current server certificate's subjectAltName."""
     if not server_cert.exists():
         raise FileNotFoundError(f"{server_cert} not found: give the addresses the devices dial (hosts / --host)")
-    sans = x509.load_pem_x509_certificate(server_cert.read_bytes()).extensions.get_extension_for_class(
-        x509.SubjectAlternativeName
-    ).value
-    return [*sans.get_values_for_type(x509.DNSName), *(str(ip) for ip in sans.get_values_for_type(x509.IPAddress))]
+    cert = x509.load_pem_x509_certificate(server_cert.read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise ValueError(f"{server_cert} names no addresses (no subjectAltName): give them (hosts / --host)") from None
+    names = [*sans.get_values_for_type(x509.DNSName), *(str(ip) for ip in sans.get_values_for_type(x509.IPAddress))]
+    common = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    return sorted(names, key=lambda name: name not in common)  # the common name stays first, as it was made
 
 
 def _subject_alt_names(hosts: Sequence[str]) -> list[x509.GeneralName]:

@@ -151,7 +151,7 @@ def _seeded_global_rng(seed: int, device: torch.device) -> Iterator[None]:
 def _has_batch_norm_1d(model: nn.Module) -> bool:
     """BatchNorm1d: on ``[1, C]`` it has one value per channel and fails in training; BatchNorm2d/3d
     (the built-in resnet's) train on one sample, whose spatial values are several per channel."""
-    return any(isinstance(m, nn.BatchNorm1d) for m in model.modules())
+    return any(isinstance(m, nn.BatchNorm1d | nn.LazyBatchNorm1d) for m in model.modules())
 
 
 _logged: set[str] = set()

@@ -110,15 +110,19 @@ def push_and_collect(
     ended_early = False
     quorum_met = cut_by_grace = False
     pulls = _Pulls(grid)
-    while pending and time.monotonic() < deadline:
-        for reply in pulls.pull(pending):
+
+    def take(pulled: list[Message]) -> None:
+        for reply in pulled:
             message_id = reply.metadata.reply_to_message_id
-            if message_id not in pending:  # pulled twice: by a stuck call and again on its own
+            if message_id not in pending:  # answered already
                 continue
             pending.discard(message_id)
             replies.append(reply)
             if on_reply is not None:
                 on_reply(reply)
+
+    while pending and time.monotonic() < deadline:
+        take(pulls.pull(pending))
         if enough is not None and enough(replies):
             ended_early = True  # enough replies, or a stop request: the rest did not miss a deadline
             break
@@ -129,6 +133,8 @@ def push_and_collect(
                 log.info("quorum met: waiting at most %.0f s for the %d missing replies", grace, len(pending))
         if pending:
             time.sleep(POLL_SECONDS)
+    if pending and not ended_early:
+        take(pulls.finish(until=time.monotonic() + SLOW_PULL_SECONDS))  # replies held calls took already
     if pending and not ended_early:
         waited = f"{grace:.0f} s grace after quorum" if cut_by_grace else f"{timeout:.0f} s deadline"
         log.info("%d of %d replies missed the %s", len(pending), len(sent), waited)
@@ -142,44 +148,61 @@ class _Pulls:
     objects one reply after the other, retrying for up to two hours (``PULL_MAX_TIME``) when a node's
     upload never completes (a SuperLink error mid-upload): that call then blocks, with every reply it
     took. So each call runs in a daemon thread and is waited for at most :data:`SLOW_PULL_SECONDS`. A
-    call still running then is held: its replies count whenever it returns before the round ends, and
-    the next calls pull the other replies meanwhile. Those calls are told ``MESSAGE_UNAVAILABLE`` for the
-    ids the held call took off the SuperLink; such an answer is not the node's reply and is dropped
-    while the holding call runs. The round ends at its deadline (a call is waited for up to
-    :data:`SLOW_PULL_SECONDS` past it, for the replies it has already taken); replies a held call took
-    with the stuck one are lost with it, as they would come hours late. A fast call, the normal case
-    and always the case in simulation, is waited for in full: replies arrive in the same order and
-    rounds as with a direct call.
+    call still running then is held: the replies it took count when its result comes in, and the next
+    calls pull the other replies meanwhile. Those calls are told ``MESSAGE_UNAVAILABLE`` for the ids a
+    held call took off the SuperLink; such an answer is not the node's reply: it is dropped until the
+    holding call's result has been read, and the id is not asked for again meanwhile. When the round
+    ends, held calls get up to :data:`SLOW_PULL_SECONDS` more (:meth:`finish`); replies a call took
+    with a stuck one are lost with it. A fast call, the normal case and always the case in simulation,
+    is waited for in full: replies arrive in the same order and rounds as with a direct call.
     """
 
     def __init__(self, grid: Grid) -> None:
         self._grid = grid
         self._done: queue.Queue[tuple[threading.Thread, list[Message], BaseException | None]] = queue.Queue()
-        self._held: dict[threading.Thread, frozenset[str]] = {}  # calls waited for past SLOW_PULL_SECONDS
+        self._held: dict[threading.Thread, frozenset[str]] = {}  # calls whose result has not been read yet
+        self._taken_elsewhere: set[str] = set()  # ids answered MESSAGE_UNAVAILABLE while a held call has them
 
     def pull(self, pending: Iterable[str]) -> list[Message]:
-        """The replies among ``pending`` that came in (a held call's may repeat one: keep the first)."""
-        ids = frozenset(pending)
-        call = self._start(ids)
-        call.join(SLOW_PULL_SECONDS)
-        if call.is_alive():
-            log.warning("pulling %d replies has taken more than %.0f s (a reply whose upload does not complete?): "
-                        "pulling the others meanwhile", len(ids), SLOW_PULL_SECONDS)
-            self._held[call] = ids
-        replies: list[Message] = []
+        """The replies among ``pending`` that came in (one may come twice: keep the first)."""
+        ids = frozenset(pending) - self._taken_elsewhere
+        if ids:
+            call = self._start(ids)
+            call.join(SLOW_PULL_SECONDS)
+            if call.is_alive():
+                log.warning("pulling %d replies has taken more than %.0f s (a large model on a slow link, or a "
+                            "reply whose upload does not complete): pulling the others meanwhile", len(ids),
+                            SLOW_PULL_SECONDS)
+                self._held[call] = ids
+        return self._read()
+
+    def finish(self, *, until: float) -> list[Message]:
+        """Wait for the held calls until ``until`` (the replies they took are off the SuperLink); theirs."""
+        for call in list(self._held):
+            call.join(max(0.0, until - time.monotonic()))
+        return self._read()
+
+    def _read(self) -> list[Message]:
+        results = []
         while True:
             try:
-                source, pulled, error = self._done.get_nowait()
+                results.append(self._done.get_nowait())
             except queue.Empty:
                 break
+        for source, _, error in results:
             if error is not None:
                 raise error
-            held_elsewhere = {mid for holder, held in self._held.items() if holder is not source and
-                              holder.is_alive() for mid in held}
-            replies.extend(m for m in pulled if not (_unavailable(m) and m.metadata.reply_to_message_id in
-                                                     held_elsewhere))
-        self._held = {holder: held for holder, held in self._held.items() if holder.is_alive()}
-        return replies
+            self._held.pop(source, None)  # its result is in: it holds nothing any more
+        held = {mid for ids in self._held.values() for mid in ids}
+        self._taken_elsewhere &= held
+        pulled = [m for _, messages, _ in results for m in messages]
+        unavailable = [m for m in pulled if _unavailable(m)]
+        self._taken_elsewhere |= {m.metadata.reply_to_message_id for m in unavailable} & held
+        # Real replies first: where a call's reply and another's MESSAGE_UNAVAILABLE for it come in together,
+        # the reply is taken.
+        return [m for m in pulled if not _unavailable(m)] + [
+            m for m in unavailable if m.metadata.reply_to_message_id not in held
+        ]
 
     def _start(self, ids: frozenset[str]) -> threading.Thread:
         def call() -> None:

@@ -77,6 +77,8 @@ class Discovery:
 
     def failed_now(self) -> dict[int, str]:
         """The connected nodes whose ClientApp failed its last query, and why."""
+        if not self.failed:
+            return {}
         connected = set(self.grid.get_node_ids())
         return {node: why for node, why in self.failed.items() if node in connected}
 
@@ -84,9 +86,10 @@ class Discovery:
         """Warn when two connected nodes say they hold the same partition: they train on the same data (a
         node config copied from another device), so the run has fewer distinct clients than it counts. A
         node that left (a SuperNode restarted under a new id) does not count."""
-        connected = set(self.grid.get_node_ids())
-        others = [other for other, held in self.partitions.items()
-                  if held == partition and other != node and other in connected]
+        others = [other for other, held in self.partitions.items() if held == partition and other != node]
+        if others:  # the grid is asked only then, not once per answering node
+            connected = set(self.grid.get_node_ids())
+            others = [other for other in others if other in connected]
         if others:
             log.warning(
                 "nodes %s and %d both hold partition-id=%d: they train on the same data; give each node its own "

@@ -528,17 +528,18 @@ def test_after_the_quorum_missing_replies_get_only_the_grace(grace: float) -> No
     assert outcome.aggregated and outcome.accepted == [n for n in answered if n != 103]
 
 
-class _StuckNetwork(_Network):
+class _SuperLinkNetwork(_Network):
     """As :class:`_Network`, with Flower's HTTP grid's order of work: a call takes every listed reply off the
-    SuperLink, then downloads them one by one; the download of ``stuck``'s reply blocks for ``block`` seconds
-    (an upload that never completes). Asked again, a reply already taken is ``MESSAGE_UNAVAILABLE``."""
+    SuperLink, then downloads them one after the other, reply ``m`` for ``download[m]`` seconds (a large
+    model on a slow link, or an upload that never completes). Asked again, a reply already taken is
+    ``MESSAGE_UNAVAILABLE``."""
 
     def __init__(
-        self, replies: dict[str, tuple[float, Message]], instructions: list[Message], stuck: str, block: float
+        self, replies: dict[str, tuple[float, Message]], instructions: list[Message], download: dict[str, float]
     ) -> None:
         super().__init__(replies)
         self._instructions = {m.metadata.message_id: m for m in instructions}
-        self._stuck, self._block = stuck, block
+        self._download = download
         self._taken: set[str] = set()
         self._lock = threading.Lock()
 
@@ -553,35 +554,62 @@ class _StuckNetwork(_Network):
             gone = [mid for mid in message_ids if mid in self._taken]
             self._taken.update(due)
         error = Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason="not found")
-        unavailable = [Message(error, reply_to=self._instructions[mid]) for mid in gone]
-        if self._stuck in due:
-            time.sleep(self._block)
-        return taken + unavailable
+        out = [Message(error, reply_to=self._instructions[mid]) for mid in gone]
+        for mid, reply in zip(due, taken, strict=True):
+            time.sleep(self._download.get(mid, 0.0))
+            out.append(reply)
+        return out
+
+
+def _collect_through_superlink(
+    arrivals: dict[int, float], download: dict[int, float], deadline: float
+) -> tuple[list[int], list[Message], float]:
+    """Round 1 to N nodes through :class:`_SuperLinkNetwork`: node ``i`` answers ``arrivals[i]`` s after the
+    push and its reply downloads in ``download[i]`` s. The nodes whose replies came in, the replies, the wait."""
+    from fedrobust.strategies import collect
+
+    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions, _ = _round_with_dead_nodes(strategy, {})
+    records = [ArrayRecord(s) for s in _locals(_global(), N, seed=5)]
+    replies_at = {m.metadata.message_id: (arrivals[i], _reply(m, records[i], 20))
+                  for i, m in enumerate(instructions) if i in arrivals}
+    network = _SuperLinkNetwork(
+        replies_at, instructions, {instructions[i].metadata.message_id: at for i, at in download.items()}
+    )
+    started = time.monotonic()
+    sent, replies = collect.push_and_collect(network, instructions, timeout=deadline)  # type: ignore[arg-type]
+    return sorted(sent[r.metadata.reply_to_message_id] for r in replies), replies, time.monotonic() - started
 
 
 def test_a_reply_whose_pull_never_finishes_holds_no_round_past_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Node 6's upload never completes: the call that takes its reply blocks far beyond the deadline. The
     replies before it count, node 7's, which arrives while that call is held, too (the SuperLink's
     MESSAGE_UNAVAILABLE for node 6, asked again, is not taken for its reply), and the round ends at its
-    deadline instead of after the blocked download."""
+    deadline (plus the wait for held calls) instead of after the blocked download."""
     from fedrobust.strategies import collect
 
     monkeypatch.setattr(collect, "SLOW_PULL_SECONDS", 0.3)
-    deadline, block = 2.5, 30.0
-    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
-    instructions, _ = _round_with_dead_nodes(strategy, {})
-    state = _global()
-    records = [ArrayRecord(s) for s in _locals(state, N, seed=5)]
-    arrivals = {**dict.fromkeys(range(6), 0.0), 6: 0.5, 7: 1.0}
-    replies_at = {m.metadata.message_id: (arrivals[i], _reply(m, records[i], 20))
-                  for i, m in enumerate(instructions) if i in arrivals}
-    network = _StuckNetwork(replies_at, instructions, stuck=instructions[6].metadata.message_id, block=block)
-    started = time.monotonic()
-    sent, replies = collect.push_and_collect(network, instructions, timeout=deadline)  # type: ignore[arg-type]
-    waited = time.monotonic() - started
+    answered, replies, waited = _collect_through_superlink(
+        {**dict.fromkeys(range(6), 0.0), 6: 0.5, 7: 1.0}, {6: 30.0}, deadline=2.5
+    )
     assert not any(r.has_error() for r in replies)
-    assert sorted(sent[r.metadata.reply_to_message_id] for r in replies) == [100, 101, 102, 103, 104, 105, 107]
-    assert deadline <= waited < deadline + 1.0  # not the 30 s the blocked download takes
+    assert answered == [100, 101, 102, 103, 104, 105, 107]
+    assert 2.5 <= waited < 2.5 + 0.3 + 1.0  # not the 30 s the blocked download takes
+
+
+def test_slow_downloads_that_overlap_lose_no_reply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large replies on a slow link: calls held one after another, each reply downloading for longer than a
+    call is waited for. Every reply counts, none is replaced by the SuperLink's MESSAGE_UNAVAILABLE that a
+    later call gets for it, and a reply a held call took before the deadline still counts after it."""
+    from fedrobust.strategies import collect
+
+    monkeypatch.setattr(collect, "SLOW_PULL_SECONDS", 0.5)
+    arrivals = {**dict.fromkeys(range(6), 0.0), 6: 0.25, 7: 0.75}
+    answered, replies, _ = _collect_through_superlink(arrivals, {0: 1.3, 6: 0.65, 7: 0.4}, deadline=4.0)
+    assert not any(r.has_error() for r in replies) and answered == [100 + i for i in range(8)]
+    # Node 0's reply is taken at once and downloads past the 1.1 s deadline: it was off the SuperLink already.
+    answered, replies, waited = _collect_through_superlink({0: 0.0, 1: 0.0}, {0: 1.3}, deadline=1.1)
+    assert answered == [100, 101] and not any(r.has_error() for r in replies) and waited < 1.1 + 0.5 + 0.5
 
 
 def test_replies_the_direction_filter_or_the_rule_leaves_out_are_reported_by_node() -> None:

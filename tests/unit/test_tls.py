@@ -188,12 +188,16 @@ def test_a_kept_ca_outlives_the_server_certificates_renewed_under_it(tmp_path: P
     assert (first.not_valid_after_utc - first.not_valid_before_utc).days <= 30
     renew_server_certificate(tmp_path, days=365)
     renewed = x509.load_pem_x509_certificate(files.server_cert.read_bytes())
+    assert renewed.subject == first.subject  # its common name is the first address, as it was made
     assert renewed.not_valid_after_utc > first.not_valid_after_utc + datetime.timedelta(days=300)
     _verify(files, x509.DNSName("fl.example.org"))
     _verify(files, x509.IPAddress(ipaddress.ip_address("10.0.0.5")))
     assert not generate_tls_certificates(tmp_path / "plain").ca_key  # without the key kept: one life for both
     with pytest.raises(ValueError, match=r"ca_days \(10\) must be >= days \(30\)"):
         generate_tls_certificates(tmp_path / "bad", days=30, ca_days=10)
+    long = generate_tls_certificates(tmp_path / "long", days=4000, keep_ca_key=True)  # the CA lives as long
+    ca = x509.load_pem_x509_certificate(long.ca_cert.read_bytes())
+    assert (ca.not_valid_after_utc - ca.not_valid_before_utc).days >= 4000
 
 
 def test_renewal_never_outlives_the_ca_and_needs_its_key(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
