@@ -99,7 +99,8 @@ def push_and_collect(
         attribute replies (error replies come from the SuperLink's node id) and to name the nodes
         that missed the deadline.
     replies : list[Message]
-        The replies received before the deadline, in arrival order.
+        The replies received before the deadline, in arrival order, and those a held pull had taken off
+        the SuperLink by then (waited for up to :data:`SLOW_PULL_SECONDS` more; see :class:`_Pulls`).
     """
     sent = push(grid, messages)
     if on_pushed is not None:
