@@ -71,7 +71,7 @@ def _partition(cfg: RunConfig, context: Context) -> tuple[int, int]:
     if protocol.PARTITION_ID not in context.node_config:
         return context.node_id % (2**31), cfg.num_clients
     pid = int(context.node_config[protocol.PARTITION_ID])
-    num = int(context.node_config.get("num-partitions", cfg.num_clients))
+    num = int(context.node_config.get(protocol.NUM_PARTITIONS, cfg.num_clients))
     return pid, num
 
 
@@ -168,7 +168,7 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
         """Tell the server which partition this node holds (node ids are random per run); nothing when it has none."""
         if protocol.PARTITION_ID not in context.node_config:
             return partition_reply(msg, None)
-        return partition_reply(msg, _partition(settings(context), context)[0])
+        return partition_reply(msg, *_partition(settings(context), context))
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

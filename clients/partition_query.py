@@ -14,9 +14,12 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from fedrobust import protocol
 
 
-def partition_reply(msg: Message, partition_id: int | None) -> Message:
-    """The reply to the query ``msg`` saying this node holds ``partition_id`` (None: it does not know)."""
+def partition_reply(msg: Message, partition_id: int | None, num_partitions: int | None = None) -> Message:
+    """The reply to the query ``msg`` saying this node holds ``partition_id`` (None: it does not know) of
+    ``num_partitions`` (the server warns when nodes disagree on it: their shares of the data overlap)."""
     info = ConfigRecord({} if partition_id is None else {protocol.PARTITION_ID: int(partition_id)})
+    if partition_id is not None and num_partitions is not None:
+        info[protocol.NUM_PARTITIONS] = int(num_partitions)
     return Message(RecordDict({protocol.INFO: info}), reply_to=msg)
 
 
@@ -29,4 +32,5 @@ def partition_query(msg: Message, context: Context) -> Message:
     your own for the messages RobustStrategy sends.
     """
     partition = context.node_config.get(protocol.PARTITION_ID)
-    return partition_reply(msg, None if partition is None else int(partition))
+    num = context.node_config.get(protocol.NUM_PARTITIONS)
+    return partition_reply(msg, None if partition is None else int(partition), None if num is None else int(num))

@@ -17,6 +17,7 @@ SERVER_ROUND = "server-round"  # as Flower's strategies name it
 NONCE = "nonce"
 NUM_EXAMPLES = "num-examples"
 PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"  # as Flower's simulation names it in the node config
 # server -> client, next to the nonce, only where the strategy names them otherwise than the defaults
 # (weighted_by_key, arrayrecord_key): the record names a signing client mod signs.
 NUM_EXAMPLES_KEY = "num-examples-key"

@@ -40,6 +40,8 @@ class Discovery:
         # node id -> why its ClientApp failed the last query (no query handler, a crash at start), until
         # it answers: a run whose nodes all fail it stops at once instead of asking until the wait ends.
         self.failed: dict[int, str] = {}
+        self.num_partitions: dict[int, int] = {}  # node id -> the num-partitions its data share is cut by
+        self._said_shares = False
 
     def poll(self, *, needed: int = 0, wait: float = 0.0) -> None:
         """Ask new nodes, take answers in; wait at most ``wait`` s until ``needed`` partitions are known."""
@@ -71,6 +73,9 @@ class Discovery:
                     if isinstance(partition, int):
                         self._say_if_shared(node, partition)
                         self.partitions[node] = partition
+                    shares = reply.content[protocol.INFO].get(protocol.NUM_PARTITIONS)
+                    if isinstance(shares, int):
+                        self._say_if_other_shares(node, shares)
             if len(self.answered) >= needed or time.monotonic() >= deadline:
                 return
             time.sleep(POLL_SECONDS)
@@ -95,4 +100,24 @@ class Discovery:
                 "nodes %s and %d both hold partition-id=%d: they train on the same data; give each node its own "
                 "partition-id in its node config (flower-supernode --node-config)",
                 ", ".join(map(str, others)), node, partition,
+            )
+
+    def _say_if_other_shares(self, node: int, shares: int) -> None:
+        """Warn once when connected nodes cut their share of the data by different ``num-partitions``
+        (a device added with a new count while the others kept theirs): their shares overlap."""
+        self.num_partitions[node] = shares
+        if self._said_shares or len(set(self.num_partitions.values())) < 2:
+            return
+        connected = set(self.grid.get_node_ids())
+        counts: dict[int, list[int]] = {}
+        for other, count in self.num_partitions.items():
+            if other in connected:
+                counts.setdefault(count, []).append(other)
+        if len(counts) > 1:
+            self._said_shares = True
+            log.warning(
+                "the nodes cut their data shares by different num-partitions (%s): their shares overlap; give "
+                "every node the same num-partitions in its node config (flower-supernode --node-config)",
+                "; ".join(f"{count}: node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, sorted(nodes)))}"
+                          for count, nodes in sorted(counts.items())),
             )

@@ -290,6 +290,27 @@ def test_partition_discovery_says_when_two_nodes_hold_the_same_partition(caplog:
     said = [r.getMessage() for r in caplog.records if "both hold partition-id" in r.getMessage()]
     assert said == [f"nodes {ids[2]} and {ids[3]} both hold partition-id=5: they train on the same data; give each "
                     "node its own partition-id in its node config (flower-supernode --node-config)"]
+    assert not [r for r in caplog.records if "different num-partitions" in r.getMessage()]  # all said 9
+
+
+def test_partition_discovery_says_when_nodes_cut_their_shares_differently(caplog: pytest.LogCaptureFixture) -> None:
+    """A device added with num-partitions=5 while the others kept 4: the shares overlap, which the run says."""
+    from experiments.inprocess import InProcessGrid, _server_identity, node_ids_for
+    from fedrobust import partition_query
+
+    app = ClientApp()
+    app.train()(train)
+    app.query()(partition_query)
+    ids = node_ids_for(2, 5)
+    nodes = {node_id: {"partition-id": i, "num-partitions": 5 if i == 4 else 4} for i, node_id in enumerate(ids)}
+    grid = InProcessGrid(app, 5, seed=0, nodes=nodes)
+    strategy = RobustStrategy(num_byzantine=1, discover_partitions=True, min_available_nodes=5, progress=False)
+    with _server_identity(grid.run.run_id):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    said = [r.getMessage() for r in caplog.records if "different num-partitions" in r.getMessage()]
+    assert said == [f"the nodes cut their data shares by different num-partitions (4: nodes "
+                    f"{', '.join(map(str, sorted(ids[:4])))}; 5: node {ids[4]}): their shares overlap; give every "
+                    "node the same num-partitions in its node config (flower-supernode --node-config)"]
 
 
 def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence() -> None:
