@@ -273,20 +273,26 @@ def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so_
     assert time.monotonic() - started < 30
 
 
-def test_partition_discovery_says_when_two_nodes_hold_the_same_partition(caplog: pytest.LogCaptureFixture) -> None:
-    """A node config copied from another device: both train on the same data, which the run should say."""
+def _discovering_run(node_configs: list[dict[str, int]], node_seed: int) -> list[int]:
+    """One round of a strategy with partition discovery on in-process nodes with ``node_configs``, whose
+    ClientApp answers the query with ``fedrobust.partition_query``; the nodes' ids."""
     from experiments.inprocess import InProcessGrid, _server_identity, node_ids_for
     from fedrobust import partition_query
 
     app = ClientApp()
     app.train()(train)
     app.query()(partition_query)
-    ids = node_ids_for(1, 4)
-    nodes = {node_id: {"partition-id": min(i, 2) + 3, "num-partitions": 9} for i, node_id in enumerate(ids)}
-    grid = InProcessGrid(app, 4, seed=0, nodes=nodes)
-    strategy = RobustStrategy(num_byzantine=0, discover_partitions=True, min_available_nodes=4, progress=False)
+    ids = node_ids_for(node_seed, len(node_configs))
+    grid = InProcessGrid(app, len(ids), seed=0, nodes=dict(zip(ids, node_configs, strict=True)))
+    strategy = RobustStrategy(num_byzantine=0, discover_partitions=True, min_available_nodes=len(ids), progress=False)
     with _server_identity(grid.run.run_id):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    return ids
+
+
+def test_partition_discovery_says_when_two_nodes_hold_the_same_partition(caplog: pytest.LogCaptureFixture) -> None:
+    """A node config copied from another device: both train on the same data, which the run should say."""
+    ids = _discovering_run([{"partition-id": min(i, 2) + 3, "num-partitions": 9} for i in range(4)], node_seed=1)
     said = [r.getMessage() for r in caplog.records if "both hold partition-id" in r.getMessage()]
     assert said == [f"nodes {ids[2]} and {ids[3]} both hold partition-id=5: they train on the same data; give each "
                     "node its own partition-id in its node config (flower-supernode --node-config)"]
@@ -295,18 +301,7 @@ def test_partition_discovery_says_when_two_nodes_hold_the_same_partition(caplog:
 
 def test_partition_discovery_says_when_nodes_cut_their_shares_differently(caplog: pytest.LogCaptureFixture) -> None:
     """A device added with num-partitions=5 while the others kept 4: the shares overlap, which the run says."""
-    from experiments.inprocess import InProcessGrid, _server_identity, node_ids_for
-    from fedrobust import partition_query
-
-    app = ClientApp()
-    app.train()(train)
-    app.query()(partition_query)
-    ids = node_ids_for(2, 5)
-    nodes = {node_id: {"partition-id": i, "num-partitions": 5 if i == 4 else 4} for i, node_id in enumerate(ids)}
-    grid = InProcessGrid(app, 5, seed=0, nodes=nodes)
-    strategy = RobustStrategy(num_byzantine=1, discover_partitions=True, min_available_nodes=5, progress=False)
-    with _server_identity(grid.run.run_id):
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    ids = _discovering_run([{"partition-id": i, "num-partitions": 5 if i == 4 else 4} for i in range(5)], node_seed=2)
     said = [r.getMessage() for r in caplog.records if "different num-partitions" in r.getMessage()]
     assert said == [f"the nodes cut their data shares by different num-partitions (4: nodes "
                     f"{', '.join(map(str, sorted(ids[:4])))}; 5: node {ids[4]}): their shares overlap; give every "
