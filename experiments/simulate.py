@@ -32,7 +32,8 @@ from fedrobust.config import RunConfig
 from fedrobust.run_setup import validate
 from fedrobust.strategies.errors import Preempted
 from fedrobust.strategies.robust_strategy import RobustStrategy
-from fedrobust.strategies.server_app import StopSignals, install_stop_handlers, run_experiment
+from fedrobust.strategies.server_app import run_experiment
+from fedrobust.strategies.stopping import StopSignals, install_stop_handlers
 
 log = logging.getLogger(__name__)
 

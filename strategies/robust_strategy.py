@@ -42,6 +42,7 @@ from fedrobust.strategies.arguments import check, is_number, plain
 from fedrobust.strategies.errors import AggregationError
 from fedrobust.strategies.replies import parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
+from fedrobust.strategies.stopping import on_flower_exit
 from fedrobust.tensors import flatten
 from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
@@ -1026,7 +1027,10 @@ class RobustStrategy(Strategy):
             evaluate_config=evaluate_config or ConfigRecord(),
             evaluate_fn=evaluate_fn,
         )
-        return loop.run(initial_arrays)
+        # Under flwr run (a thread of flwr-simulation) and on a deployment (flwr-serverapp) a signal or
+        # `flwr stop` ends the process through Flower's exit path: it waits there for this run's checkpoint.
+        with on_flower_exit(self.request_stop):
+            return loop.run(initial_arrays)
 
     # ------------------------------------------------------------------ validation
     def _reserve_rows(self, count: int) -> None:

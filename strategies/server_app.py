@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,12 +30,9 @@ from fedrobust.strategies.errors import CheckpointStorageError, QuorumError
 from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
 from fedrobust.strategies.from_config import strategy_from_config
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
+from fedrobust.strategies.stopping import install_stop_handlers
 
 log = logging.getLogger(__name__)
-
-# Ray's C++ failure-signal handler would turn SIGTERM into an abort ~3 s after it. Under `flwr run` this
-# module is imported in flwr-simulation before its simulation engine starts Ray (see _chain_ray_sigterm_handler).
-os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 
 # Errors whose message says in one line what went wrong and what to do (as experiments.run prints them):
@@ -68,147 +62,6 @@ def _say_in_one_line(error: BaseException) -> None:
     if not isinstance(error, ConfigError):  # checked_run_config has logged its lines
         log.error("fedrobust: run failed: %s", " ".join(str(error).split()))
     setattr(error, _SAID, True)
-
-
-class StopSignals:
-    """The SIGTERM/SIGINT handler that asks the round loop to checkpoint and stop; it counts the signals.
-
-    Only the first is logged. Schedulers repeat their signal, some every few milliseconds, and a
-    handler runs in the main thread between any two of its bytecodes, also inside a log call that
-    holds the log handler's lock: logging every signal of such a storm kept that lock held, so the
-    thread writing the stop's checkpoint waited on its own log line (no checkpoint in 60 s under a
-    SIGTERM every 2 ms). The count is for the caller to report once the run has stopped.
-    """
-
-    def __init__(self, request_stop: Callable[[], None]) -> None:
-        self.request_stop = request_stop
-        self.count = 0
-
-    def __call__(self, signum: int, _frame: object) -> None:
-        self.count += 1
-        if self.count == 1:
-            log.warning("received %s: stopping; the last completed round is checkpointed where checkpoints are on",
-                        signal.Signals(signum).name)
-        self.request_stop()
-
-
-def install_stop_handlers(request_stop: Callable[[], None]) -> StopSignals | None:
-    """Make SIGTERM and SIGINT ask the round loop to checkpoint and stop.
-
-    Returns the installed handler (its ``count`` says how many signals came), or None where signals
-    cannot be handled (not the main thread); the process then keeps Python's default behaviour.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    handler = StopSignals(request_stop)
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return handler
-
-
-# How long Flower's exit path waits for the round loop to abandon its round and commit the checkpoint.
-# The loop stops waiting for replies at once; this bounds a checkpoint write to slow storage.
-FLOWER_EXIT_WAIT = 300.0
-
-_set_handler = signal.signal  # the real one, also after _chain_ray_sigterm_handler wraps signal.signal
-
-
-class FlowerExitWatch:
-    """Under ``flwr run``: turn the ways Flower ends ``flwr-simulation`` into a stop request of the round loop.
-
-    There the ServerApp runs in a thread of ``flwr-simulation`` and cannot install signal handlers;
-    the main thread holds Flower's handlers, and every way Flower ends the process goes through its
-    ``flwr_exit`` and exit handlers: SIGINT/SIGTERM/SIGQUIT, and ``flwr stop`` or its parent going
-    away, on which Flower has the process signal itself. The handler registered here runs first, before
-    Flower's force-exit timer: it requests the stop, makes further SIGTERM/SIGINT only log, and waits
-    (at most ``wait`` s) until the round loop has committed the checkpoint of the last completed
-    round and ended. Flower then reports the run to the SuperLink and ends the process.
-    """
-
-    def __init__(self, request_stop: Callable[[], None], *, wait: float = FLOWER_EXIT_WAIT) -> None:
-        self.request_stop = request_stop
-        self.wait = wait
-        self.finished = threading.Event()  # the round loop has ended
-
-    def start(self) -> bool:
-        """Register with Flower's exit path; False where this Flower lacks the hook."""
-        try:
-            from flwr.supercore.exit import add_exit_handler
-        except ImportError:
-            return False
-        try:
-            add_exit_handler(self.stop_and_wait, run_before_force_exit=True)
-        except TypeError:  # a Flower without the phase: its 5 s force-exit timer then bounds the wait
-            add_exit_handler(self.stop_and_wait)
-        return True
-
-    def stop_and_wait(self) -> None:
-        """Request the stop and wait until the round loop has ended (runs in the main thread)."""
-        if self.finished.is_set():
-            return
-        log.warning("Flower is ending this process: finishing up, writing a checkpoint")
-        _log_further_signals()
-        self.request_stop()
-        if not self.finished.wait(self.wait):
-            log.error("the round loop did not end within %.0f s of the stop request", self.wait)
-
-    def finish(self) -> None:
-        """The round loop has ended."""
-        self.finished.set()
-
-
-def _log_further_signals() -> None:
-    """While the checkpoint is written, SIGTERM/SIGINT are logged and change nothing (main thread only).
-
-    Flower's handler restores the default action before it calls the exit handlers, so without
-    this a second signal (schedulers repeat theirs) would kill the process in the middle of it.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    logged = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        if not logged.is_set():  # once: see StopSignals for what logging every one of a storm does
-            logged.set()
-            log.warning("received %s: already stopping, the checkpoint is being written", signal.Signals(signum).name)
-
-    _set_handler(signal.SIGTERM, on_signal)
-    _set_handler(signal.SIGINT, on_signal)
-
-
-def _on_sigterm_under_flwr_simulation(signum: int, _frame: object) -> None:
-    """SIGTERM in ``flwr-simulation`` once Ray runs: what Flower does for SIGINT, instead of Ray's ``sys.exit``.
-
-    Ray's ``init`` replaces Flower's SIGTERM handler with one that only raises ``SystemExit`` in the
-    main thread: the ServerApp thread would go on training with a stopped engine, and the SuperLink
-    would learn of the end only when the task's heartbeats stop.
-    """
-    from flwr.supercore.exit import ExitCode, flwr_exit
-
-    _log_further_signals()
-    log.warning("received %s", signal.Signals(signum).name)
-    flwr_exit(ExitCode.GRACEFUL_EXIT_SIGTERM, "Task stopped by SIGTERM.")  # runs FlowerExitWatch.stop_and_wait
-
-
-def _chain_ray_sigterm_handler() -> None:
-    """In ``flwr-simulation``, make the SIGTERM handler that Ray's ``init`` installs ours (see above).
-
-    This module is imported by the ServerApp thread while the main thread loads the ClientApp,
-    before the simulation engine starts Ray; Ray installs its handler with ``signal.signal``.
-    """
-    if os.path.basename(sys.argv[0]) != "flwr-simulation" or signal.signal is not _set_handler:
-        return
-
-    def set_handler(signum: int, handler: Any) -> Any:
-        if signum == signal.SIGTERM and callable(handler) and getattr(handler, "__module__", "").startswith("ray."):
-            handler = _on_sigterm_under_flwr_simulation
-        return _set_handler(signum, handler)
-
-    signal.signal = set_handler  # type: ignore[assignment]
-
-
-_chain_ray_sigterm_handler()
 
 
 def checked_run_config(run_config: Mapping[str, Any], *, local_devices: bool = False) -> RunConfig:
@@ -317,8 +170,8 @@ def make_server_app(
 
     When ``on_strategy`` is None, a stop makes the app checkpoint the last completed round and end:
     SIGTERM/SIGINT handlers where the app runs in the main thread, otherwise (``flwr run``, where
-    Flower runs it in a thread of ``flwr-simulation``) Flower's own exit path
-    (:class:`FlowerExitWatch`).
+    Flower runs it in a thread of ``flwr-simulation``) Flower's own exit path, which
+    :meth:`RobustStrategy.start` takes for every run (:mod:`fedrobust.strategies.stopping`).
     """
     app = ServerApp()
     flower_log = logging.getLogger("flwr")
@@ -351,19 +204,11 @@ def make_server_app(
         if on_strategy is not None:
             run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=on_strategy)
             return
-        watch: FlowerExitWatch | None = None
 
         def hook(strategy: RobustStrategy) -> None:
-            nonlocal watch
-            if not install_stop_handlers(strategy.request_stop):
-                watch = FlowerExitWatch(strategy.request_stop)
-                watch.start()
+            install_stop_handlers(strategy.request_stop)  # elsewhere start() takes Flower's exit path
 
-        try:
-            run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=hook)
-        finally:
-            if watch is not None:
-                watch.finish()
+        run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=hook)
 
     return app
 

@@ -990,6 +990,54 @@ except Preempted as stopped:
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("round-*")) == ["round-000001"]
 
 
+def test_flowers_exit_path_stops_a_users_run_after_checkpointing_it(tmp_path: Path) -> None:
+    """In a user's own ServerApp, under ``flwr run`` (a thread of flwr-simulation) or on a deployment, a
+    signal or ``flwr stop`` ends the process through Flower's exit handlers. ``start()`` registers one for
+    its run: it asks the round loop to stop and returns only once the stop's checkpoint is on disk. With
+    ``checkpoint_every=0`` only a stop writes one before the last round. A run that ended leaves none."""
+    import threading
+    import time
+
+    from flwr.supercore.exit import exit_handler
+
+    from experiments.inprocess import InProcessGrid, _server_identity
+    from fedrobust import Preempted
+
+    before = list(exit_handler.registered_exit_handlers)
+    ckpt = tmp_path / "ckpt"
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, checkpoint_dir=ckpt, checkpoint_every=0,
+                              progress=False)
+    checkpointed_on_return: list[bool] = []
+
+    def flower_exits() -> None:  # what flwr_exit does in flwr-simulation's main thread, before its force-exit timer
+        exit_handler.trigger_exit_handlers(run_before_force_exit=True)
+        checkpointed_on_return.append((ckpt / "round-000002" / "manifest.json").exists())
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        if server_round == 2:
+            threading.Thread(target=flower_exits).start()
+            deadline = time.monotonic() + 10
+            while not strategy.stop_requested and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return MetricRecord({"loss": 1.0})
+
+    grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 4, seed=0)
+    with _server_identity(grid.run.run_id), pytest.raises(Preempted) as stopped:
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=5,
+                       evaluate_fn=evaluate)
+    assert stopped.value.checkpointed
+    assert sorted(p.name for p in ckpt.glob("round-*")) == ["round-000002"]
+    deadline = time.monotonic() + 10
+    while not checkpointed_on_return and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert checkpointed_on_return == [True]  # Flower's exit waited for the stop's checkpoint
+    assert exit_handler.registered_exit_handlers == before  # the run took its registration back
+
+    finished = RobustStrategy(aggregator="median", num_byzantine=1, progress=False)
+    _start_on_honest_nodes(finished, 4)
+    assert exit_handler.registered_exit_handlers == before
+
+
 def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCaptureFixture) -> None:
     """The server's update matrix and step are float32: a float64 model keeps its dtype but not its
     precision, which the run says at its start rather than leaving a user to find out from the bytes."""

@@ -14,6 +14,7 @@ uninterrupted run).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -148,6 +149,54 @@ def test_quickstart_robust_example_trains_under_flwr_run(tmp_path: Path) -> None
     assert history["3"]["accuracy"] > max(0.5, history["0"]["accuracy"] + 0.3), history  # it trains
     assert res.stdout.count("[round   3/3]") == 1, report  # per-round progress reaches the operator's stream, once
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("round-"))[-1] == "round-000003"
+
+
+
+@pytest.mark.slow(seconds=40)
+@pytest.mark.timeout(360)
+def test_a_users_own_app_stops_on_sigterm_with_the_checkpoint_of_its_last_round(tmp_path: Path) -> None:
+    """The quickstart, its strategy set to checkpoint only at the end (``checkpoint_every=0``): a SIGTERM to
+    ``flwr-simulation`` mid-run makes the user's ServerApp write the checkpoint of its last completed round
+    and end, as fedrobust's own app does (tests/process/test_flwr_run_signals.py)."""
+    import os
+    import shutil
+    import signal
+
+    from tests.process.test_flwr_run_signals import _simulation_pid, every_checkpoint_verifies
+
+    app = tmp_path / "app"
+    shutil.copytree(REPO / "examples" / "quickstart-robust", app)
+    server = app / "quickstart_robust" / "server_app.py"
+    call = "    strategy = RobustStrategy(\n"
+    assert server.read_text().count(call) == 1
+    server.write_text(server.read_text().replace(call, call + "        checkpoint_every=0,\n"))
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
+    with FlowerProcesses(tmp_path) as fp:
+        link = fp.start_superlink(simulation=True)
+        write_flwr_home(tmp_path, FEDERATION, link.address, options=federation_options(4))
+        with log.open("wb") as sink:
+            run = subprocess.Popen(
+                [executable("flwr"), "run", str(app), FEDERATION, "--stream",
+                 "--run-config", f"num-server-rounds=200 checkpoint-dir='{ckpt}'"],
+                cwd=tmp_path, env=fp.env(), stdout=sink, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while "[round   2/200]" not in log.read_text(errors="replace"):
+            assert run.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.05)
+        assert not list(ckpt.glob("round-*"))  # checkpoint_every=0: nothing before a stop or the last round
+        simulation = _simulation_pid(link)
+        while "is on disk" not in log.read_text(errors="replace") and run.poll() is None:
+            assert time.monotonic() < deadline, log.read_text(errors="replace")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(simulation, signal.SIGTERM)
+            time.sleep(0.05)
+        assert run.wait(timeout=120) == 0
+        fp.stop(link)
+    said = log.read_text(errors="replace")
+    assert "received SIGTERM" in said, said
+    stopped_at = every_checkpoint_verifies(ckpt)  # written by the stop: the run had 200 rounds to go
+    assert 2 <= stopped_at < 200, said
 
 
 def _run_status(fp: FlowerProcesses, run_id: int) -> str:

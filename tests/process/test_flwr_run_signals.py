@@ -205,13 +205,13 @@ def test_flower_exit_path_requests_the_stop_and_waits_for_the_round_loop(monkeyp
     force-exit timer) asks the round loop to stop and returns only once the loop has ended."""
     from flwr.supercore.exit import exit_handler
 
-    from fedrobust.strategies import server_app
+    from fedrobust.strategies import stopping
 
     monkeypatch.setattr(exit_handler, "registered_exit_handlers", [])
-    monkeypatch.setattr(server_app, "_set_handler", lambda *_: None)  # leave pytest's SIGTERM/SIGINT handlers alone
+    monkeypatch.setattr(stopping, "_set_handler", lambda *_: None)  # leave pytest's SIGTERM/SIGINT handlers alone
     stop = threading.Event()
     ended_at: list[float] = []
-    watch = server_app.FlowerExitWatch(stop.set)
+    watch = stopping.FlowerExitWatch(stop.set)
 
     def round_loop() -> None:  # ends 0.3 s after the stop request, as after writing a checkpoint
         stop.wait(10)
@@ -230,13 +230,13 @@ def test_flower_exit_path_requests_the_stop_and_waits_for_the_round_loop(monkeyp
 
 def test_sigterm_handler_ray_installs_in_flwr_simulation_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
     """In flwr-simulation, the SIGTERM handler Ray's init installs becomes the one that takes Flower's exit path."""
-    from fedrobust.strategies import server_app
+    from fedrobust.strategies import stopping
 
     installed: list[tuple[int, object]] = []
-    monkeypatch.setattr(server_app, "_set_handler", lambda signum, handler: installed.append((signum, handler)))
-    monkeypatch.setattr(signal, "signal", server_app._set_handler)
+    monkeypatch.setattr(stopping, "_set_handler", lambda signum, handler: installed.append((signum, handler)))
+    monkeypatch.setattr(signal, "signal", stopping._set_handler)
     monkeypatch.setattr(sys, "argv", ["/venv/bin/flwr-simulation", "--token", "x"])
-    server_app._chain_ray_sigterm_handler()
+    stopping._chain_ray_sigterm_handler()
 
     def ray_handler(signum: int, frame: object) -> None:  # as ray._private.worker.init's
         raise SystemExit(signum)
@@ -250,7 +250,7 @@ def test_sigterm_handler_ray_installs_in_flwr_simulation_is_replaced(monkeypatch
     signal.signal(signal.SIGTERM, other)
     signal.signal(signal.SIGINT, ray_handler)
     assert installed == [
-        (signal.SIGTERM, server_app._on_sigterm_under_flwr_simulation),
+        (signal.SIGTERM, stopping._on_sigterm_under_flwr_simulation),
         (signal.SIGTERM, other),
         (signal.SIGINT, ray_handler),
     ]

@@ -8,14 +8,14 @@ import signal
 
 import pytest
 
-from fedrobust.strategies.server_app import install_stop_handlers
+from fedrobust.strategies.stopping import install_stop_handlers
 
 
 def test_a_storm_of_signals_is_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     requests = []
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with caplog.at_level(logging.WARNING, logger="fedrobust.strategies.server_app"):
+        with caplog.at_level(logging.WARNING, logger="fedrobust.strategies.stopping"):
             handler = install_stop_handlers(lambda: requests.append(1))
             assert handler is not None
             for sig in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
