@@ -17,6 +17,7 @@ from flwr.serverapp import Grid
 
 from fedrobust import protocol
 from fedrobust.strategies.collect import POLL_SECONDS, push
+from fedrobust.strategies.replies import error_reason
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Discovery:
                 for reply in self.grid.pull_messages(list(self.pending)):
                     node = self.pending.pop(reply.metadata.reply_to_message_id, None)
                     if node is not None and reply.has_error() and reply.error.code not in _TRANSIENT:
-                        self.failed[node] = " ".join(str(reply.error.reason).split())[:300]
+                        self.failed[node] = error_reason(reply.error.reason, limit=300)
                     if node is None or reply.has_error() or protocol.INFO not in reply.content.config_records:
                         continue
                     self.failed.pop(node, None)

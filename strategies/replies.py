@@ -17,6 +17,7 @@ as Flower's FedMedian pops the arrays it has read, so their bytes can be freed d
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,24 @@ from fedrobust.strategies.reply_arrays import array_views
 from fedrobust.validation import Rejection
 
 MALFORMED_REPLY = "malformed_reply"
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A traceback's own line of an exception: "ValueError: ...", "flwr.x.ClientAppException: ...".
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning): \S")
+
+
+def error_reason(reason: object, limit: int = 200) -> str:
+    """What failed on a client, in one line, from the reason of an error reply.
+
+    Flower's reason holds a traceback, under Ray's simulation wrapped in the repr of Ray's error
+    (terminal colour codes and a trailing ``'>`` included). The first exception line of the
+    traceback is its root cause (``ValueError: No query function registered ...``), which Flower's
+    last line (``Exception ClientAppException occurred. Message: ...``) repeats without its type.
+    """
+    lines = [line.strip() for line in _ANSI.sub("", str(reason)).splitlines() if line.strip()]
+    raised = [line for line in lines if _RAISED.match(line)]
+    line = raised[0] if raised else (lines[-1] if lines else "unknown error")
+    return line.removesuffix("'>")[:limit]
 
 
 @dataclass

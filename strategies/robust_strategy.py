@@ -40,7 +40,7 @@ from fedrobust.signing import TrustStore
 from fedrobust.strategies import arguments
 from fedrobust.strategies.arguments import check, is_number, plain
 from fedrobust.strategies.errors import AggregationError
-from fedrobust.strategies.replies import parse_reply
+from fedrobust.strategies.replies import error_reason, parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
 from fedrobust.strategies.stopping import on_flower_exit
 from fedrobust.tensors import flatten
@@ -181,7 +181,7 @@ class RoundIntake:
         node_id = self._sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
         if reply.has_error():
             outcome.dropped.append(node_id)
-            outcome.client_errors[_first_line(reply.error.reason)] += 1
+            outcome.client_errors[error_reason(reply.error.reason)] += 1
             return
         if node_id in self._seen:
             s._reject(outcome.round, node_id, outcome, Rejection(DUPLICATE_REPLY, "second reply"))
@@ -1196,12 +1196,6 @@ class RobustStrategy(Strategy):
 
 def _strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-def _first_line(text: str | None) -> str:
-    """The message of a client's error: Flower's reason holds a traceback; its last line says what failed."""
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    return (lines[-1] if lines else "unknown error")[:200]
 
 
 def _finite(value: object) -> float | None:

@@ -800,3 +800,35 @@ def test_discovery_judges_only_the_nodes_still_connected(caplog: pytest.LogCaptu
     assert discovery.failed_now() == {}  # node 1 left: its failure no longer counts
     assert discovery.partitions[3] == 0
     assert not [m for m in caplog.messages if "both hold partition-id" in m]
+
+
+def test_a_client_errors_reason_is_its_root_cause_in_one_line() -> None:
+    """Flower's error replies, as each engine words them (type and message as Flower formats them)."""
+    from flwr.clientapp.client_app import ClientAppException
+
+    from fedrobust.strategies.replies import error_reason
+
+    def flowers(ex: BaseException) -> str:  # vce_api.py and run_clientapp.py: str(type(ex)) + ":<'" + str(ex) + "'>"
+        return str(type(ex)) + ":<'" + str(ex) + "'>"
+
+    # A SuperNode: Flower's ClientAppException, no traceback.
+    assert error_reason(flowers(ClientAppException("client exploded"))) == (
+        "Exception ClientAppException occurred. Message: client exploded"
+    )
+    # Ray's simulation: Ray's error holds the actor's traceback, in colour; its root cause comes first.
+    ray = (
+        "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=12450, ip=192.0.2.2, actor_id=b11f, repr=<ClientAppActor>)\n"
+        '  File "/venv/flwr/clientapp/client_app.py", line 188, in __call__\n'
+        "    raise ValueError(f\"No query function registered with name '{name}'\")\n"
+        "ValueError: No query function registered with name 'default'\n\n"
+        "The above exception was the direct cause of the following exception:\n\n"
+        '  File "/venv/flwr/simulation/ray_transport/ray_actor.py", line 63, in run\n'
+        "    raise ClientAppException(str(ex)) from ex\n"
+        "flwr.clientapp.client_app.ClientAppException: \n"
+        "Exception ClientAppException occurred. Message: No query function registered with name 'default'"
+    )
+    reason = "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'" + ray + "'>"
+    assert error_reason(reason) == "ValueError: No query function registered with name 'default'"
+    assert error_reason("the node went away") == "the node went away"
+    assert error_reason("") == error_reason("\n \n") == "unknown error"
+    assert len(error_reason("x" * 1000, limit=50)) == 50
