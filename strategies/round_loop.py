@@ -309,6 +309,24 @@ class RoundLoop:
             time.sleep(0.2)
         if self.discovery is not None:
             self.discovery.poll(needed=len(list(self.grid.get_node_ids())), wait=min(s.wait_for_nodes, 30.0))
+        self._say_if_too_few_for_f()
+
+    def _say_if_too_few_for_f(self) -> None:
+        """Warn before any training when fewer nodes are connected than the rule needs at ``num_byzantine``:
+        round 1 then stops the run after its training, unless validation rejects enough replies (each proven
+        faulty one lowers f). Not an error here: nodes may still join, and a drill's attackers may be rejected."""
+        s = self.strategy
+        connected = len(list(self.grid.get_node_ids()))
+        rule = s._rule_for(s.num_byzantine)
+        if connected >= rule.min_n():
+            return
+        fits = s._largest_f_for(connected, s.num_byzantine)
+        log.warning(
+            "%d nodes connected, but %s with f=%d needs at least %d valid replies: round 1 stops the run unless "
+            "more nodes join or validation rejects replies; connect more nodes or lower num_byzantine%s",
+            connected, rule.label, s.num_byzantine, rule.min_n(),
+            f" (with {connected} nodes, at most {fits})" if fits is not None else "",
+        )
 
     def _train_round(self, arrays: ArrayRecord, server_round: int) -> tuple[dict[str, Any], ArrayRecord]:
         """One round, retried while too few valid replies came in; raises after the last try."""

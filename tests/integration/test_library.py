@@ -7,6 +7,7 @@ only ``RobustStrategy(...)`` and ``strategy.start(...)``, on Flower's real simul
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -245,9 +246,10 @@ def test_a_round_samples_at_least_the_replies_the_rule_needs() -> None:
     assert result.train_metrics_clientapp[1]["accepted"] == 5
 
 
-def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
+def test_too_few_nodes_for_the_rule_stops_with_what_to_do(caplog: pytest.LogCaptureFixture) -> None:
     """Two nodes (a local simulation's default) and the default pipeline with f=1, which needs 3 replies:
-    both nodes were asked and replied validly, so the round is not retried (a retry would ask the same two)."""
+    both nodes were asked and replied validly, so the round is not retried (a retry would ask the same two).
+    The run says so before round 1 trains."""
     strategy = RobustStrategy(num_byzantine=1, max_round_retries=2, progress=False)
     with pytest.raises(QuorumError, match=r"round 1: not aggregated after 1 attempt \(2 valid replies, .* needs at "
                                           r"least 3; only 2 nodes could be asked: connect more .*num-supernodes; a "
@@ -256,8 +258,18 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do() -> None:
         _start_on_honest_nodes(strategy, 2)
     # The trimmed mean with f=3 needs 7 replies; with 5 nodes f=2 fits (2f+1 = 5).
     strategy = RobustStrategy(aggregator="trimmed_mean", num_byzantine=3, progress=False)
-    with pytest.raises(QuorumError, match=r"or lower num_byzantine \(with 5 nodes, at most 2\)\)$"):
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.raises(QuorumError, match=r"at most 2\)\)$"):
         _start_on_honest_nodes(strategy, 5)
+    said = [r.getMessage() for r in caplog.records]
+    warned = [i for i, line in enumerate(said) if line.startswith("5 nodes connected, but trimmed_mean with f=3 needs "
+                                                                    "at least 7 valid replies: round 1 stops the run")]
+    trained = [i for i, line in enumerate(said) if "round 1" in line and "not aggregated" in line]
+    assert len(warned) == 1 and said[warned[0]].endswith("(with 5 nodes, at most 2)"), said
+    assert trained and warned[0] < trained[0], said  # before the round's training, not after it
+    caplog.clear()
+    _start_on_honest_nodes(RobustStrategy(aggregator="trimmed_mean", num_byzantine=2, progress=False), 5)
+    assert not [r for r in caplog.records if "nodes connected, but" in r.getMessage()]
 
 
 def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so_at_once() -> None:
