@@ -69,6 +69,8 @@ class ResumePoint:
     # Simulated clients' Context.state (strategies/client_state.py): its tensors and its JSON part.
     client_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     client_state: dict[str, Any] = field(default_factory=dict)
+    # The central evaluation of the initial model (Result's round 0), which a resume does not repeat.
+    initial_evaluation: dict[str, Any] | None = None
 
 
 class RoundCheckpointer:
@@ -215,6 +217,7 @@ class RoundCheckpointer:
         *,
         client_state: tuple[Mapping[str, torch.Tensor], Mapping[str, Any]] | None = None,
         rng_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None,
+        initial_evaluation: Mapping[str, Any] | None = None,
         wait: bool = False,
     ) -> bool:
         """Checkpoint the state after ``server_round``: serialized now, written in the background.
@@ -222,8 +225,8 @@ class RoundCheckpointer:
         ``client_state`` is the simulated clients' state as tensors and JSON metadata
         (:func:`fedrobust.strategies.client_state.encode`); ``rng_state`` the RNG states to save
         instead of the current ones (those captured when ``server_round`` ended, when a later round
-        was abandoned). Returns whether a checkpoint of ``server_round`` exists (now or from an
-        earlier call).
+        was abandoned); ``initial_evaluation`` the metrics of the initial model's central evaluation.
+        Returns whether a checkpoint of ``server_round`` exists (now or from an earlier call).
         """
         if self.store is None:
             return False
@@ -243,6 +246,8 @@ class RoundCheckpointer:
                 "rows": rows,
                 "clients": dict(client_meta),
             }
+            if initial_evaluation is not None:
+                meta["initial_evaluation"] = dict(initial_evaluation)
             if self.interval is not None:
                 # The restart history and moving averages must outlive the process: the MTBF estimate
                 # is built from them.
@@ -341,6 +346,7 @@ class RoundCheckpointer:
             guard=GuardState(**meta["guard"]),
             client_tensors=dict(groups.get("clients", {})),
             client_state=dict(meta.get("clients", {})),
+            initial_evaluation=meta.get("initial_evaluation"),
         )
 
     def close(self) -> None:

@@ -81,6 +81,7 @@ class RoundLoop:
         self.metrics = MetricsLog(s.metrics_path, num_rounds, echo=s.progress, f=s.num_byzantine)
         self.discovery = Discovery(grid, s.partitions, s.answered) if s.discover_partitions else None
         self.guard = GuardState()
+        self.initial_evaluation: dict[str, Any] | None = None  # Result's round 0, kept in checkpoints
         self.result = Result()
         # Simulated clients' Context.state by partition (strategies/client_state.py): the newest one
         # each sent, and those restored from a checkpoint that still have to be sent back once.
@@ -120,6 +121,9 @@ class RoundLoop:
             for row in resumed.rows:
                 self._record(row)
             first_round = resumed.round + 1
+            self.initial_evaluation = resumed.initial_evaluation
+            if self.initial_evaluation is not None:
+                self.result.evaluate_metrics_serverapp[0] = MetricRecord(self.initial_evaluation)
             self.metrics.say(f"resumed after round {resumed.round} from {self.checkpointer.resumed_from}")
             if resumed.round > self.num_rounds:
                 self.metrics.say(
@@ -132,6 +136,7 @@ class RoundLoop:
                 initial = self.evaluate_fn(0, arrays)
                 if initial is not None:
                     self.result.evaluate_metrics_serverapp[0] = initial
+                    self.initial_evaluation = dict(initial)
         if s.on_start is not None:
             s.on_start(first_round)
         self.result.arrays = arrays
@@ -155,6 +160,7 @@ class RoundLoop:
                 self.guard,
                 client_state=client_state.encode(self.client_states),
                 rng_state=rng,
+                initial_evaluation=self.initial_evaluation,
                 wait=True,
             )
             if isinstance(stopped, Preempted):
@@ -227,6 +233,7 @@ class RoundLoop:
                     [*self.metrics.rows, row],
                     self.guard,
                     client_state=client_state.encode(self.client_states),
+                    initial_evaluation=self.initial_evaluation,
                 )
                 row["seconds_checkpoint_blocking"] = time.perf_counter() - t0
                 self.checkpointer.observe_checkpoint(row["seconds_checkpoint_blocking"], server_round)

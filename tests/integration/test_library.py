@@ -142,7 +142,7 @@ def test_a_flower_style_app_trains_robustly_and_resumes(tmp_path: Path) -> None:
     # The second start() resumed: rounds 1-3 come from the checkpoint, rounds 4-5 were trained.
     assert sorted(second.train_metrics_clientapp) == [1, 2, 3, 4, 5]
     assert second.train_metrics_clientapp[3] == first.train_metrics_clientapp[3]
-    assert 0 not in second.evaluate_metrics_serverapp  # no initial evaluation on resume
+    assert second.evaluate_metrics_serverapp[0] == first.evaluate_metrics_serverapp[0]  # kept in the checkpoint
 
     final = second.arrays.to_torch_state_dict()
     assert all(bool(torch.isfinite(v).all()) for v in final.values())
@@ -1048,6 +1048,34 @@ def test_flowers_exit_path_stops_a_users_run_after_checkpointing_it(tmp_path: Pa
     finished = RobustStrategy(aggregator="median", num_byzantine=1, progress=False)
     _start_on_honest_nodes(finished, 4)
     assert exit_handler.registered_exit_handlers == before
+
+
+def test_a_resumed_result_has_the_initial_evaluation_of_the_first_start(tmp_path: Path) -> None:
+    """Flower's Result holds the initial model's central evaluation as round 0. A resume does not evaluate
+    the initial arrays again (they may be a fresh random init): round 0 comes from the checkpoint."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    def first_weight(arrays: ArrayRecord) -> float:
+        return float(arrays["0.weight"].numpy().flat[0])
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        return MetricRecord({"first_weight": first_weight(arrays), "loss": float(server_round)})
+
+    def initial(shift: float) -> ArrayRecord:
+        return ArrayRecord({k: v + shift for k, v in make_net().state_dict().items()})
+
+    def start(num_rounds: int, shift: float) -> Result:
+        grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
+        strategy = RobustStrategy(aggregator="median", checkpoint_dir=tmp_path / "ckpt", progress=False)
+        with _server_identity(grid.run.run_id):
+            return strategy.start(grid=grid, initial_arrays=initial(shift), num_rounds=num_rounds,
+                                  evaluate_fn=evaluate)
+
+    first = start(2, shift=0.0)
+    second = start(3, shift=1.0)  # another initial model: the resume takes round 2's from the checkpoint
+    assert sorted(second.evaluate_metrics_serverapp) == [0, 1, 2, 3]
+    assert second.evaluate_metrics_serverapp[0] == first.evaluate_metrics_serverapp[0]
+    assert first_weight(initial(1.0)) != first.evaluate_metrics_serverapp[0]["first_weight"]
 
 
 def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCaptureFixture) -> None:
