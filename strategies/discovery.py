@@ -33,15 +33,17 @@ class Discovery:
     (e.g. NODE_UNAVAILABLE) close the question, so the node is asked again once it is back.
     """
 
-    def __init__(self, grid: Grid, partitions: dict[int, int], answered: set[int]) -> None:
+    def __init__(
+        self, grid: Grid, partitions: dict[int, int], answered: set[int], num_partitions: dict[int, int]
+    ) -> None:
         self.grid = grid
         self.partitions = partitions
         self.answered = answered
+        self.num_partitions = num_partitions  # node id -> the num-partitions its data share is cut by
         self.pending: dict[str, int] = {}  # query message id -> node id
         # node id -> why its ClientApp failed the last query (no query handler, a crash at start), until
         # it answers: a run whose nodes all fail it stops at once instead of asking until the wait ends.
         self.failed: dict[int, str] = {}
-        self.num_partitions: dict[int, int] = {}  # node id -> the num-partitions its data share is cut by
         self._said_shares = False
 
     def poll(self, *, needed: int = 0, wait: float = 0.0) -> None:
@@ -87,6 +89,20 @@ class Discovery:
             return {}
         connected = set(self.grid.get_node_ids())
         return {node: why for node, why in self.failed.items() if node in connected}
+
+    def say_if_other_shares_than(self, checkpointed: list[int]) -> None:
+        """Warn when a resumed run's connected nodes cut the data by other num-partitions than the nodes of
+        the run that wrote its checkpoint: each partition-id now names another share of the data."""
+        connected = set(self.grid.get_node_ids())
+        now = sorted({count for node, count in self.num_partitions.items() if node in connected})
+        if checkpointed and now and now != checkpointed:
+            log.warning(
+                "the nodes cut the data by num-partitions=%s, the run that wrote the checkpoint by %s: each "
+                "partition-id now names another share of the data, so the resumed run does not continue the "
+                "same federation (the filters remember clients by partition); start it in a new checkpoint "
+                "directory unless that is what you want",
+                "/".join(map(str, now)), "/".join(map(str, checkpointed)),
+            )
 
     def _say_if_shared(self, node: int, partition: int) -> None:
         """Warn when two connected nodes say they hold the same partition: they train on the same data (a

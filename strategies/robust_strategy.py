@@ -516,6 +516,10 @@ class RobustStrategy(Strategy):
         # node id -> partition id (discover_partitions); filled by the round loop's discovery.
         self.partitions: dict[int, int] = {}
         self.answered: set[int] = set()  # nodes that answered the partition query, with or without one
+        # node id -> the num-partitions its data share is cut by, where its ClientApp says (discovery);
+        # the counts are checkpointed, and a resume under other counts is warned about.
+        self.num_partitions: dict[int, int] = {}
+        self.checkpointed_num_partitions: list[int] = []
         # Replies the last sampled round waits for (over-selected nodes come on top).
         self.planned_replies = 0
         self.run_id: int | str = 0
@@ -1181,6 +1185,7 @@ class RobustStrategy(Strategy):
             "server_lr": self.optimizer.lr,
             "liveness": self.liveness.state_dict(),
             "signatures": self.signatures.state_dict(),
+            "num_partitions": sorted(set(self.num_partitions.values())) or self.checkpointed_num_partitions,
         }
         return tensors, meta
 
@@ -1192,6 +1197,7 @@ class RobustStrategy(Strategy):
         if "liveness" in meta:
             self.liveness.load_state_dict(meta["liveness"])
         self.signatures.load_state_dict(meta.get("signatures", {}))
+        self.checkpointed_num_partitions = [int(n) for n in meta.get("num_partitions", [])]
 
 
 def _strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

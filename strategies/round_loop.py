@@ -79,7 +79,9 @@ class RoundLoop:
             num_rounds=num_rounds,
         )
         self.metrics = MetricsLog(s.metrics_path, num_rounds, echo=s.progress, f=s.num_byzantine)
-        self.discovery = Discovery(grid, s.partitions, s.answered) if s.discover_partitions else None
+        self.discovery = (
+            Discovery(grid, s.partitions, s.answered, s.num_partitions) if s.discover_partitions else None
+        )
         self.guard = GuardState()
         self.initial_evaluation: dict[str, Any] | None = None  # Result's round 0, kept in checkpoints
         self.result = Result()
@@ -316,6 +318,7 @@ class RoundLoop:
             time.sleep(0.2)
         if self.discovery is not None:
             self.discovery.poll(needed=len(list(self.grid.get_node_ids())), wait=min(s.wait_for_nodes, 30.0))
+            self.discovery.say_if_other_shares_than(s.checkpointed_num_partitions)
         self._say_if_too_few_for_f()
 
     def _say_if_too_few_for_f(self) -> None:

@@ -285,9 +285,11 @@ def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so_
     assert time.monotonic() - started < 30
 
 
-def _discovering_run(node_configs: list[dict[str, int]], node_seed: int) -> list[int]:
-    """One round of a strategy with partition discovery on in-process nodes with ``node_configs``, whose
-    ClientApp answers the query with ``fedrobust.partition_query``; the nodes' ids."""
+def _discovering_run(
+    node_configs: list[dict[str, int]], node_seed: int, checkpoint_dir: Path | None = None, num_rounds: int = 1
+) -> list[int]:
+    """``num_rounds`` rounds of a strategy with partition discovery on in-process nodes with ``node_configs``,
+    whose ClientApp answers the query with ``fedrobust.partition_query``; the nodes' ids."""
     from experiments.inprocess import InProcessGrid, _server_identity, node_ids_for
     from fedrobust import partition_query
 
@@ -296,9 +298,10 @@ def _discovering_run(node_configs: list[dict[str, int]], node_seed: int) -> list
     app.query()(partition_query)
     ids = node_ids_for(node_seed, len(node_configs))
     grid = InProcessGrid(app, len(ids), seed=0, nodes=dict(zip(ids, node_configs, strict=True)))
-    strategy = RobustStrategy(num_byzantine=0, discover_partitions=True, min_available_nodes=len(ids), progress=False)
+    strategy = RobustStrategy(num_byzantine=0, discover_partitions=True, min_available_nodes=len(ids),
+                              checkpoint_dir=checkpoint_dir, progress=False)
     with _server_identity(grid.run.run_id):
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=num_rounds)
     return ids
 
 
@@ -318,6 +321,20 @@ def test_partition_discovery_says_when_nodes_cut_their_shares_differently(caplog
     assert said == [f"the nodes cut their data shares by different num-partitions (4: nodes "
                     f"{', '.join(map(str, sorted(ids[:4])))}; 5: node {ids[4]}): their shares overlap; give every "
                     "node the same num-partitions in its node config (flower-supernode --node-config)"]
+
+
+def test_a_resume_whose_nodes_cut_the_data_by_another_count_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint of a federation of 4 shares, resumed on 5 nodes that cut the data in 5: each
+    partition-id now names another share, so the resumed run is not the one checkpointed; it says so."""
+    warning = "the nodes cut the data by num-partitions=5, the run that wrote the checkpoint by 4"
+    _discovering_run([{"partition-id": i, "num-partitions": 4} for i in range(4)], 3, tmp_path / "ckpt")
+    _discovering_run([{"partition-id": i, "num-partitions": 4} for i in range(4)], 4, tmp_path / "ckpt", 2)
+    assert not [r for r in caplog.records if "num-partitions=" in r.getMessage()]  # the same federation
+    _discovering_run([{"partition-id": i, "num-partitions": 5} for i in range(5)], 5, tmp_path / "ckpt", 3)
+    said = [r.getMessage() for r in caplog.records if "num-partitions=" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(warning), said
 
 
 def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence() -> None:

@@ -743,7 +743,7 @@ def test_a_partition_query_the_grid_refuses_is_asked_again_at_the_next_poll_not_
         def pull_messages(self, message_ids: list[str]) -> list[Message]:
             return []
 
-    discovery = Discovery(RefusingNode2(), {}, set())  # type: ignore[arg-type]
+    discovery = Discovery(RefusingNode2(), {}, set(), {})  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="fedrobust.strategies.collect"):
         discovery.poll(needed=2, wait=0.5)
         assert sum("did not take" in m for m in caplog.messages) == 1  # not once per 50 ms loop
@@ -791,7 +791,7 @@ def test_discovery_judges_only_the_nodes_still_connected(caplog: pytest.LogCaptu
             return replies
 
     grid = Nodes()
-    discovery = Discovery(grid, {}, set())  # type: ignore[arg-type]
+    discovery = Discovery(grid, {}, set(), {})  # type: ignore[arg-type]
     discovery.poll()
     assert discovery.failed_now() == {1: "boom"} and discovery.partitions == {2: 1}
     discovery.partitions[1] = 0  # what node 1 said in an earlier run of the loop, before it failed and left
