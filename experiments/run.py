@@ -38,6 +38,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 # Only the config module here (no torch): a mistyped override fails in well under a second.
@@ -77,6 +78,18 @@ def _exit_invalid(problems: Sequence[str]) -> NoReturn:
 def _exit_failed(error: Exception) -> NoReturn:
     print(f"fedrobust: run failed: {' '.join(str(error).split())}", file=sys.stderr)
     sys.exit(EXIT_FAILED)
+
+
+# Jobs of a multirun sweep that failed (a round with no quorum, a resume refused, ...), as "job N (overrides):
+# reason": the sweep runs its other jobs, and the command then exits 1 naming these.
+FAILED_JOBS: list[str] = []
+
+
+def _say_failed_job(error: Exception) -> None:
+    job = HydraConfig.get().job
+    line = f"job {job.num} ({job.override_dirname or 'no overrides'}): {' '.join(str(error).split())}"
+    FAILED_JOBS.append(line)
+    print(f"fedrobust: {line}; the sweep goes on", file=sys.stderr)
 
 
 def _field_hint(key: str) -> tuple[Any, list[str]] | None:
@@ -395,6 +408,9 @@ def main(cfg: DictConfig) -> float:
     ) as failed:
         if _full_error():
             raise
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # the sweep goes on with its next job; cli() exits 1
+            _say_failed_job(failed)
+            return float("nan")
         _exit_failed(failed)
     final = rows[-1]["accuracy"] if rows else float("nan")
     (out_dir / "final.json").write_text(json.dumps({"accuracy": final, "rounds": len(rows)}))
@@ -428,21 +444,50 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
     jobs = jobs_of(args)
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     problems: list[str] = []
+    labels: list[str] = []
+    checkpoint_dirs: dict[str, list[int]] = {}  # resolved checkpoint.dir -> the jobs that write it
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for number, job in enumerate(jobs):
             values = " ".join(o for o in job if o.partition("=")[0] in swept)
-            label = f"job {number}" + (f" ({values})" if values else "")
+            labels.append(f"job {number}" + (f" ({values})" if values else ""))
             found = override_problems(job)
             if not found:
                 try:
-                    cfg = compose(config_name="config", overrides=with_parameter_tables(job))
-                    found = config_problems(to_run_config(cfg), local_devices=True)
+                    run_cfg = to_run_config(_as_job(compose(config_name="config", overrides=with_parameter_tables(job),
+                                                            return_hydra_config=True), number))
+                    found = config_problems(run_cfg, local_devices=True)
+                    if run_cfg.checkpoint.dir and "://" not in run_cfg.checkpoint.dir:
+                        checkpoint_dirs.setdefault(str(Path(run_cfg.checkpoint.dir).resolve()), []).append(number)
+                    elif run_cfg.checkpoint.dir:
+                        checkpoint_dirs.setdefault(run_cfg.checkpoint.dir.rstrip("/"), []).append(number)
                 except ConfigError as err:
                     found = list(err.problems)
                 except (HydraException, OmegaConfBaseException) as err:
                     found = [" ".join(str(err).split())]
-            problems += [f"{label}: {line}" for line in found]
+            problems += [f"{labels[number]}: {line}" for line in found]
+    for directory, numbers in checkpoint_dirs.items():
+        if len(numbers) > 1:  # a later job would resume the earlier one's run, or be refused for its settings
+            problems.append(
+                f"{', '.join(labels[n] for n in numbers)} share checkpoint.dir={directory}: each job after the "
+                "first would resume the first one's checkpoint; give each job its own, e.g. "
+                "checkpoint.dir='<dir>/${hydra:job.num}' or '<dir>/${seed}'"
+            )
     return problems
+
+
+def _as_job(cfg: DictConfig, number: int) -> DictConfig:
+    """``cfg`` (composed with its hydra node) as Hydra's launcher hands job ``number`` to it, without the
+    hydra node: ``${hydra:job.num}`` and ``${hydra:runtime.output_dir}`` in a setting resolve as in the job."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.hydra.job.num = number
+        cfg.hydra.job.id = f"job_id_for_{number}"
+        cfg.hydra.runtime.output_dir = str(Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def _is_multirun(args: Sequence[str]) -> bool:
@@ -467,6 +512,12 @@ def cli() -> None:
         _exit_invalid(problems)
     sys.argv[1:] = with_parameter_tables(sys.argv[1:])
     main()
+    if FAILED_JOBS:
+        print(f"fedrobust: {len(FAILED_JOBS)} job{'s' if len(FAILED_JOBS) > 1 else ''} of the sweep failed:",
+              file=sys.stderr)
+        for line in FAILED_JOBS:
+            print(f"  {line}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
 
 
 if __name__ == "__main__":

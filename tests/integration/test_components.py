@@ -364,6 +364,21 @@ def test_bad_target_exits_before_the_run_on_the_command_line(tmp_path: Path) -> 
     assert "model._target_=fr_no_such_pkg.Net: cannot import" in res.stderr
 
 
+@pytest.mark.slow(seconds=45)
+def test_a_sweep_job_that_fails_leaves_the_others_to_run_and_the_sweep_exits_1(tmp_path: Path) -> None:
+    """Job 0's clients diverge at lr=50 (every reply non-finite: no round aggregates), job 1 trains: the
+    sweep runs both, then names the failed job and exits 1 (Hydra's launcher would stop at job 0)."""
+    command = [sys.executable, "-m", "experiments.run", "-m", "num_rounds=2", "num_clients=6", "num_byzantine=1",
+               "fault.max_round_retries=0", "client.lr=50,0.3", f"hydra.sweep.dir={tmp_path}"]
+    res = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    failed = [line.strip() for line in res.stderr.splitlines() if line.startswith("  job ")]
+    assert len(failed) == 1 and failed[0].startswith("job 0 (client.lr=50,"), res.stderr
+    assert "fedrobust: 1 job of the sweep failed:" in res.stderr
+    assert not (tmp_path / "0" / "final.json").exists()
+    assert json.loads((tmp_path / "1" / "final.json").read_text())["rounds"] == 2
+
+
 @pytest.mark.slow
 def test_a_dataset_that_cannot_be_read_fails_before_the_engine_starts(tmp_path: Path) -> None:
     """Offline without a local copy of MNIST: one line that says what to do, before Ray is started."""

@@ -427,6 +427,28 @@ def test_a_sweep_with_an_invalid_job_starts_none_and_names_each_bad_job(
     assert not engine_guard and not any(tmp_path.iterdir())
 
 
+def test_a_sweep_whose_jobs_share_a_checkpoint_dir_starts_none(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Job 1 would resume job 0's checkpoint (or be refused for its other seed): refused before any job.
+    A directory per job, by ``${hydra:job.num}`` as Hydra's launcher sets it or by a swept value, is not."""
+    base = ["-m", "num_rounds=1", "num_clients=6", "num_byzantine=1", "seed=0,1,2", f"hydra.sweep.dir={tmp_path}"]
+    outcome = _cli([*base, f"checkpoint.dir={tmp_path}/ck"], monkeypatch, real_hydra=True)
+    problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
+    assert outcome.code == 2 and problems == [
+        f"job 0 (seed=0), job 1 (seed=1), job 2 (seed=2) share checkpoint.dir={tmp_path.resolve()}/ck: each job "
+        "after the first would resume the first one's checkpoint; give each job its own, e.g. "
+        "checkpoint.dir='<dir>/${hydra:job.num}' or '<dir>/${seed}'",
+        "no job of the sweep was started"], outcome.stderr
+    for per_job in ("${hydra:job.num}", "${seed}"):
+        outcome = _cli([*base[:1], "num_rounds=0", *base[2:], f"checkpoint.dir={tmp_path}/ck/{per_job}"], monkeypatch,
+                       real_hydra=True)
+        problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
+        assert outcome.code == 2 and len(problems) == 4, outcome.stderr  # num_rounds=0 in each job, nothing else
+        assert all(p.endswith("num_rounds=0: must be >= 1") for p in problems[:3]), outcome.stderr
+    assert not engine_guard and not any(tmp_path.iterdir())
+
+
 def test_full_error_raises_with_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(run.ConfigError, match=r"client\.lr=-0\.1: must be > 0"):
