@@ -373,8 +373,9 @@ class RoundCheckpointer:
             return None
 
 
-# Settings recorded since a later version (the train config of start()): an earlier checkpoint lacks them.
-_RECORDED_LATER = ("train_config",)
+# Settings recorded since a later version (the train config of start(); num_rounds where the server lr
+# follows a schedule): an earlier checkpoint lacks them.
+_RECORDED_LATER = ("train_config", "num_rounds")
 
 
 def _reason(err: BaseException) -> str:

@@ -64,6 +64,10 @@ class RoundLoop:
         s = strategy
         # The train config reaches every client's training, so a checkpoint must agree with it too.
         settings = {**s.settings, "train_config": dict(train_config)}
+        if s.server_lr_schedule != "constant":
+            # A schedule spans num_rounds: the rounds run so far followed its span, so a run may be extended
+            # (a constant lr) only where the lr does not depend on it.
+            settings["num_rounds"] = num_rounds
         self.checkpointer = RoundCheckpointer(
             s.checkpoint_dir,
             settings=settings,

@@ -1095,6 +1095,26 @@ def test_a_resumed_result_has_the_initial_evaluation_of_the_first_start(tmp_path
     assert first_weight(initial(1.0)) != first.evaluate_metrics_serverapp[0]["first_weight"]
 
 
+def test_a_run_whose_server_lr_follows_a_schedule_is_not_extended_on_resume(tmp_path: Path) -> None:
+    """A cosine lr spans num_rounds: rounds 1-2 of a 2-round run had other lrs than in a 4-round run, so a
+    resume with num_rounds=4 would not give a 4-round run's model. It is refused, naming num_rounds (a
+    constant lr may be extended); force_resume continues anyway."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    def start(num_rounds: int, **options: Any) -> Result:
+        grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
+        strategy = RobustStrategy(aggregator="median", checkpoint_dir=tmp_path / "ckpt", progress=False,
+                                  server_lr_schedule="cosine", **options)
+        with _server_identity(grid.run.run_id):
+            return strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()),
+                                  num_rounds=num_rounds)
+
+    start(2)
+    with pytest.raises(CheckpointMismatchError, match=r"saved with other settings: num_rounds: 2 -> 4"):
+        start(4)
+    assert sorted(start(4, force_resume=True).train_metrics_clientapp) == [1, 2, 3, 4]
+
+
 def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCaptureFixture) -> None:
     """The server's update matrix and step are float32: a float64 model keeps its dtype but not its
     precision, which the run says at its start rather than leaving a user to find out from the bytes."""
