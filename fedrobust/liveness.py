@@ -113,6 +113,10 @@ class LivenessTracker:
         self.probation_rounds = probation_rounds
         self._round = 0
         self._nodes: dict[int, _Node] = {}
+        # Nodes this tracker heard of since it was built or restored: the report counts these. After a
+        # resume the checkpoint's nodes that never show again (a simulation's nodes get new ids) are not
+        # part of the federation any more; counted, they would stay "dead" in every row.
+        self._heard: set[int] = set()
 
     # ------------------------------------------------------------------------------------- events
     def observe_node(
@@ -255,10 +259,12 @@ class LivenessTracker:
         return sorted(self._nodes)
 
     def snapshot(self) -> dict[str, int]:
-        """Number of known nodes per status, for the per-round report."""
+        """Number of nodes per status, for the per-round report: the nodes heard of since this tracker was
+        built or restored (after a resume, not those of the checkpoint that never showed again)."""
         counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
         for node_id in self._nodes:
-            counts[self.status(node_id)] += 1
+            if node_id in self._heard:
+                counts[self.status(node_id)] += 1
         return counts
 
     # ------------------------------------------------------------------------------------- state
@@ -298,9 +304,11 @@ class LivenessTracker:
             nodes[int(key)] = node
         self._round = int(state["round"])
         self._nodes = nodes
+        self._heard = set()
 
     # ------------------------------------------------------------------------------------- internals
     def _node(self, node_id: int) -> _Node:
+        self._heard.add(node_id)
         if node_id not in self._nodes:
             self._nodes[node_id] = _Node()
         return self._nodes[node_id]

@@ -238,3 +238,27 @@ def test_only_the_first_round_of_a_run_frees_the_key_pins_of_unlisted_nodes() ->
     trust.pin(kid, 7)
     strategy.refresh_liveness(grid([8]), 2)  # node 7 offline: not listed, but its key stays its own
     assert trust.bound_node(kid) == 7
+
+
+def test_after_a_resume_the_report_counts_the_nodes_of_this_run_not_those_of_the_checkpoint() -> None:
+    """A resumed simulation's nodes have new ids: the checkpoint's ids never show again. The round's report
+    counts the nodes heard of since the restore (as an uninterrupted run's: all alive), while the state
+    keeps the old ones dead; a checkpointed node that is listed again (a deployment) counts again."""
+    from types import SimpleNamespace
+
+    from fedrobust.strategies.robust_strategy import RobustStrategy
+
+    def grid(node_ids: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(get_nodes=lambda: [SimpleNamespace(node_id=n, status="online") for n in node_ids])
+
+    first = RobustStrategy(aggregator="median", progress=False)
+    first.refresh_liveness(grid([1, 2, 3, 4]), 1)
+    resumed = RobustStrategy(aggregator="median", progress=False)
+    resumed.liveness.load_state_dict(json.loads(json.dumps(first.liveness.state_dict())))
+    assert resumed.refresh_liveness(grid([5, 6, 7, 8]), 2) == [5, 6, 7, 8]
+    assert resumed.liveness.status(1) == "dead"
+    assert resumed.liveness.snapshot() == {"alive": 4, "suspected": 0, "dead": 0, "quarantined": 0}
+    resumed.refresh_liveness(grid([1, 5, 6, 7, 8]), 3)
+    assert resumed.liveness.snapshot() == {"alive": 5, "suspected": 0, "dead": 0, "quarantined": 0}
+    resumed.refresh_liveness(grid([5, 6, 7, 8]), 4)  # node 1, heard of in this run, is gone again: dead
+    assert resumed.liveness.snapshot() == {"alive": 4, "suspected": 0, "dead": 1, "quarantined": 0}
