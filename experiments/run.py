@@ -142,6 +142,16 @@ def with_parameter_tables(args: Sequence[str]) -> list[str]:
     return out
 
 
+def _syntax_problem(arg: str) -> str:
+    """What is wrong with the syntax of one override, in one line; empty when Hydra parses it."""
+    try:
+        OverridesParser.create().parse_override(arg)
+    except HydraException as err:
+        message = " ".join(str(err).split()).split(" See https", 1)[0]
+        return f"{arg}: {message} (Hydra's override grammar: https://hydra.cc/docs/advanced/override_grammar/basic)"
+    return ""
+
+
 def override_problems(args: Sequence[str]) -> list[str]:
     """Problems of command-line overrides of RunConfig settings, found before Hydra composes the config.
 
@@ -152,11 +162,14 @@ def override_problems(args: Sequence[str]) -> list[str]:
     overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return []  # a syntax error: Hydra reports it, with the position
+    except HydraException:  # a syntax error; Hydra's own report of it exits 1 with a traceback hint
+        return [_syntax_problem(arg) for arg in overrides if _syntax_problem(arg)]
     problems: list[str] = []
     for override in parsed:
         key = override.key_or_group
+        if override.is_sweep_override() and not _is_multirun(args):
+            problems.append(f"{override.input_line}: a sweep over values runs with -m (--multirun)")
+            continue
         if override.package is not None or override.is_delete() or override.is_sweep_override():
             continue
         if key == "hydra" or key.startswith("hydra."):

@@ -449,6 +449,21 @@ def test_a_sweep_whose_jobs_share_a_checkpoint_dir_starts_none(
     assert not engine_guard and not any(tmp_path.iterdir())
 
 
+def test_a_syntax_error_or_a_sweep_without_multirun_is_an_invalid_configuration(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hydra itself answers both with exit 1 and a hint about tracebacks: here they are config problems (exit
+    2), one line each, naming the override."""
+    outcome = _cli(["num_rounds=[1,2", "seed=1"], monkeypatch)
+    assert outcome.code == 2 and outcome.stderr.splitlines()[1].strip().startswith(
+        "num_rounds=[1,2: no viable alternative at input '[1,2' (Hydra's override grammar: https://"), outcome.stderr
+    assert len(outcome.stderr.splitlines()) == 2
+    outcome = _cli(["aggregator=krum,median", "num_rounds=1"], monkeypatch)
+    assert outcome.code == 2 and outcome.stderr.splitlines()[1:] == [
+        "  aggregator=krum,median: a sweep over values runs with -m (--multirun)"], outcome.stderr
+    assert not engine_guard
+
+
 def test_full_error_raises_with_the_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(run.ConfigError, match=r"client\.lr=-0\.1: must be > 0"):
