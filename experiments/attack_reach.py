@@ -81,7 +81,7 @@ def table(rounds: Sequence[Reach]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.attack_reach", description=__doc__.splitlines()[0])
     parser.add_argument("--attack", required=True, help="an omniscient attack (conf/attack/*.yaml)")
-    parser.add_argument("--partitions", nargs="+", default=list(study.PARTITIONS), choices=study.PARTITIONS)
+    parser.add_argument("--partitions", nargs="+", default=list(study.DEFAULT_PARTITIONS), choices=study.PARTITIONS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=study.DEFAULT_ROUNDS)
     parser.add_argument("--set", dest="extra", nargs="+", default=[], metavar="KEY=VALUE",

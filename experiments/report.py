@@ -39,7 +39,7 @@ TARGET_GAP = {"iid": 0.02, "dirichlet": 0.05}
 # "Visibly hurt": the plain mean under attack loses at least this much final accuracy.
 HURT_GAP = 0.05
 MUST_HURT_MEAN = ("sign_flip", "alie", "nan")
-PARTITION_TITLES = {"iid": "IID", "dirichlet": "Dirichlet"}
+PARTITION_TITLES = {"iid": "IID", "dirichlet": "Dirichlet", "pathological": "Pathological (2 classes per client)"}
 
 
 @dataclass

@@ -209,7 +209,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rule", default=AggregatorConfig().name, help="the configuration (default: %(default)s)")
     parser.add_argument("--validation-fraction", type=float, default=0.2,
                         help="dataset.validation_fraction of every run (default: %(default)s)")
-    parser.add_argument("--partitions", nargs="+", default=list(study.PARTITIONS), choices=study.PARTITIONS)
+    parser.add_argument("--partitions", nargs="+", default=list(study.DEFAULT_PARTITIONS), choices=study.PARTITIONS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--rounds", type=int, default=study.DEFAULT_ROUNDS)
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default: %(default)s)")

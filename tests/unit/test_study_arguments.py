@@ -40,3 +40,13 @@ def test_an_invalid_run_configuration_exits_2_with_every_problem(tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("experiments.study: invalid configuration:")
     assert "client.lr=-1.0: must be > 0" in err and "aggregator.name=nope+mean" in err
+
+
+def test_the_pathological_partition_runs_on_request_and_the_default_stays_the_issues_two() -> None:
+    """``--partitions pathological`` (2 classes per client, conf/partition/pathological.yaml) composes to that
+    partitioner; without --partitions the study runs IID and Dirichlet, the settings its report is about."""
+    assert study.parse_args(["--out", "x"]).partitions == ["iid", "dirichlet"]
+    assert study.parse_args(["--out", "x", "--partitions", "pathological"]).partitions == ["pathological"]
+    spec = study.RunSpec(partition="pathological", rule="mean", attack="none", seed=0)
+    config = study.compose({spec.key: study.overrides_for(spec, rounds=2)})[spec.key]
+    assert (config.partition.name, config.partition.classes_per_partition) == ("pathological", 2)
