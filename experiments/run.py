@@ -18,6 +18,7 @@ raises instead of exiting 1 or 2, with the traceback.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -440,8 +441,8 @@ def _remember_early_signal(signum: int, _frame: object) -> None:
 
 
 def sweep_problems(args: Sequence[str]) -> list[str]:
-    """Every job of a multirun sweep, composed and checked before the first one starts: Hydra's launcher
-    stops at the first job that fails, after running those before it and leaving the rest unrun.
+    """Every job of a multirun sweep, composed and checked before the first one starts: a job refused at
+    its start would stop Hydra's launcher there (exit 2), after running those before it.
 
     One line per problem, led by the job's number and swept values; empty when every job is valid.
     """
@@ -458,7 +459,9 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     problems: list[str] = []
     labels: list[str] = []
-    checkpoint_dirs: dict[str, list[int]] = {}  # resolved checkpoint.dir -> the jobs that write it
+    # resolved checkpoint.dir or checkpoint.mirror -> the jobs that write it (a mirror is read on resume too)
+    checkpoint_dirs: dict[tuple[str, str], list[int]] = {}
+    hydra_config = HydraConfig.instance().cfg  # set for each job's resolution below, and put back after
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for number, job in enumerate(jobs):
             values = " ".join(o for o in job if o.partition("=")[0] in swept)
@@ -469,23 +472,30 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
                     run_cfg = to_run_config(_as_job(compose(config_name="config", overrides=with_parameter_tables(job),
                                                             return_hydra_config=True), number))
                     found = config_problems(run_cfg, local_devices=True)
-                    if run_cfg.checkpoint.dir and "://" not in run_cfg.checkpoint.dir:
-                        checkpoint_dirs.setdefault(str(Path(run_cfg.checkpoint.dir).resolve()), []).append(number)
-                    elif run_cfg.checkpoint.dir:
-                        checkpoint_dirs.setdefault(run_cfg.checkpoint.dir.rstrip("/"), []).append(number)
+                    for key, where in (("dir", run_cfg.checkpoint.dir), ("mirror", run_cfg.checkpoint.mirror)):
+                        if where:
+                            checkpoint_dirs.setdefault((key, _same_place(where)), []).append(number)
                 except ConfigError as err:
                     found = list(err.problems)
                 except (HydraException, OmegaConfBaseException) as err:
                     found = [" ".join(str(err).split())]
+                finally:
+                    HydraConfig.instance().cfg = hydra_config
             problems += [f"{labels[number]}: {line}" for line in found]
-    for directory, numbers in checkpoint_dirs.items():
+    for (key, where), numbers in checkpoint_dirs.items():
         if len(numbers) > 1:  # a later job would resume the earlier one's run, or be refused for its settings
             problems.append(
-                f"{', '.join(labels[n] for n in numbers)} share checkpoint.dir={directory}: each job after the "
-                "first would resume the first one's checkpoint; give each job its own, e.g. "
-                "checkpoint.dir='<dir>/${hydra:job.num}' or '<dir>/${seed}'"
+                f"{', '.join(labels[n] for n in numbers)} share checkpoint.{key}={where}: each job after the "
+                f"first would resume the first one's checkpoint; give each job its own, e.g. "
+                f"checkpoint.{key}='<{key}>/${{hydra:job.num}}' or '<{key}>/${{seed}}'"
             )
     return problems
+
+
+def _same_place(where: str) -> str:
+    """A checkpoint location in one spelling: a local path resolved (file:// included), a URL as given."""
+    local = where.removeprefix("file://")
+    return where.rstrip("/") if "://" in local else str(Path(local).resolve())
 
 
 def _as_job(cfg: DictConfig, number: int) -> DictConfig:
@@ -495,16 +505,18 @@ def _as_job(cfg: DictConfig, number: int) -> DictConfig:
 
     with open_dict(cfg):
         cfg.hydra.job.num = number
-        cfg.hydra.job.id = f"job_id_for_{number}"
+        cfg.hydra.job.id = number  # as Hydra's basic launcher sets both
         cfg.hydra.runtime.output_dir = str(Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
-    HydraConfig.instance().set_config(cfg)
+    # A copy, as Hydra's run_job keeps one: set_config takes the hydra node over, and a hydra: value that
+    # refers to another hydra key resolves there once the node is gone from cfg.
+    HydraConfig.instance().set_config(copy.deepcopy(cfg))
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
 
 
 def _is_multirun(args: Sequence[str]) -> bool:
-    return any(a in ("-m", "--multirun") for a in args)
+    return any(a in ("-m", "--multirun") or a.lstrip("+") == "hydra.mode=MULTIRUN" for a in args)
 
 
 def cli() -> None:
@@ -512,6 +524,7 @@ def cli() -> None:
     compose and run."""
     signal.signal(signal.SIGTERM, _remember_early_signal)
     signal.signal(signal.SIGINT, _remember_early_signal)
+    FAILED_JOBS.clear()
     # A setting unused by every job is refused: a sweep over a group (partition=iid,dirichlet) with a
     # setting for some of its choices (partition.alpha) is not.
     problems = override_problems(sys.argv[1:])

@@ -113,9 +113,9 @@ class LivenessTracker:
         self.probation_rounds = probation_rounds
         self._round = 0
         self._nodes: dict[int, _Node] = {}
-        # Nodes this tracker heard of since it was built or restored: the report counts these. After a
-        # resume the checkpoint's nodes that never show again (a simulation's nodes get new ids) are not
-        # part of the federation any more; counted, they would stay "dead" in every row.
+        # Nodes this tracker heard of since it was built or since a resume (forget_heard): the report counts
+        # these. After a resume the checkpoint's nodes that never show again (a simulation's nodes get new
+        # ids) are not part of the federation any more; counted, they would stay "dead" in every row.
         self._heard: set[int] = set()
 
     # ------------------------------------------------------------------------------------- events
@@ -258,9 +258,14 @@ class LivenessTracker:
         """Every node id the tracker has heard of, sorted."""
         return sorted(self._nodes)
 
+    def forget_heard(self) -> None:
+        """A resume: the report counts only the nodes heard of from now on (see ``snapshot``). Not on every
+        restore: a rollback within a run keeps counting the run's nodes."""
+        self._heard = set()
+
     def snapshot(self) -> dict[str, int]:
         """Number of nodes per status, for the per-round report: the nodes heard of since this tracker was
-        built or restored (after a resume, not those of the checkpoint that never showed again)."""
+        built or since a resume (not those of the checkpoint that never showed again)."""
         counts: dict[str, int] = dict.fromkeys(STATUSES, 0)
         for node_id in self._nodes:
             if node_id in self._heard:
@@ -304,7 +309,6 @@ class LivenessTracker:
             nodes[int(key)] = node
         self._round = int(state["round"])
         self._nodes = nodes
-        self._heard = set()
 
     # ------------------------------------------------------------------------------------- internals
     def _node(self, node_id: int) -> _Node:

@@ -304,9 +304,11 @@ class RoundCheckpointer:
         # Settings a checkpoint of an earlier version does not record are not compared.
         unrecorded = [k for k in _RECORDED_LATER if k in self.settings and k not in saved]
         current = {k: v for k, v in self.settings.items() if k not in unrecorded}
-        if unrecorded:
+        # A checkpoint that records its lr schedule records num_rounds only under a schedule, by design.
+        said = [k for k in unrecorded if not (k == "num_rounds" and "server_lr_schedule" in saved)]
+        if said:
             log.warning("checkpoint %s records no %s (saved by an earlier version): not compared",
-                        checkpoint.path, ", ".join(unrecorded))
+                        checkpoint.path, ", ".join(said))
         if meta.get(CONFIG_HASH_KEY) != config_hash(current):
             differ = _differences(saved, current)
             message = (
@@ -373,9 +375,9 @@ class RoundCheckpointer:
             return None
 
 
-# Settings recorded since a later version (the train config of start(); num_rounds where the server lr
-# follows a schedule): an earlier checkpoint lacks them.
-_RECORDED_LATER = ("train_config", "num_rounds")
+# Settings recorded since a later version (the train config of start(); the server lr schedule, and
+# num_rounds where the lr follows one): an earlier checkpoint lacks them.
+_RECORDED_LATER = ("train_config", "num_rounds", "server_lr_schedule", "server_lr_min_ratio")
 
 
 def _reason(err: BaseException) -> str:

@@ -32,7 +32,8 @@ def run_settings(cfg: RunConfig) -> dict[str, Any]:
     """The settings a checkpoint must agree with to be resumed.
 
     Settings that do not change what is computed (where checkpoints and outputs go, deadlines,
-    simulation resources) and the number of rounds (a run may be extended) are left out.
+    simulation resources) and the number of rounds (a run with a constant server lr may be extended;
+    under a schedule the round loop records it) are left out.
     """
     values = dataclasses.asdict(cfg)
     for key in ("checkpoint", "output_dir", "num_rounds", "fault", "simulation"):

@@ -32,19 +32,30 @@ MALFORMED_REPLY = "malformed_reply"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # A traceback's own line of an exception: "ValueError: ...", "flwr.x.ClientAppException: ...".
 _RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning): \S")
+_WRAPPER = re.compile(r"ClientAppException|RayTaskError")  # Flower's and Ray's wrappers of the client's error
 
 
 def error_reason(reason: object, limit: int = 200) -> str:
     """What failed on a client, in one line, from the reason of an error reply.
 
     Flower's reason holds a traceback, under Ray's simulation wrapped in the repr of Ray's error
-    (terminal colour codes and a trailing ``'>`` included). The first exception line of the
-    traceback is its root cause (``ValueError: No query function registered ...``), which Flower's
-    last line (``Exception ClientAppException occurred. Message: ...``) repeats without its type.
+    (terminal colour codes and a trailing ``'>`` included). Its first exception line is the root cause
+    (``ValueError: No query function registered ...``), which Flower's last line (``Exception
+    ClientAppException occurred. Message: ...``) repeats without its type; where the client raised
+    another exception while handling one (``except KeyError: raise ValueError(...)``), that one.
     """
     lines = [line.strip() for line in _ANSI.sub("", str(reason)).splitlines() if line.strip()]
-    raised = [line for line in lines if _RAISED.match(line)]
-    line = raised[0] if raised else (lines[-1] if lines else "unknown error")
+    line = ""
+    during = False  # the next exception was raised while handling the one before: it is the one to report
+    for text in lines:
+        if text.startswith("During handling of the above exception"):
+            during = True
+        elif text.startswith("The above exception was the direct cause"):
+            during = False
+        elif _RAISED.match(text) and not _WRAPPER.search(text) and (not line or during):
+            line, during = text, False
+    if not line:
+        line = lines[-1] if lines else "unknown error"
     return line.removesuffix("'>")[:limit]
 
 

@@ -566,6 +566,8 @@ class RobustStrategy(Strategy):
             "aggregator_params": params,
             "num_byzantine": self.num_byzantine,
             "server_optimizer": dataclasses.asdict(self.optimizer) | {"buffers": None, "steps": None},
+            "server_lr_schedule": self._schedule_setting(),
+            "server_lr_min_ratio": self.server_lr_min_ratio,
             "max_update_norm": self.max_update_norm,
             "max_num_examples": self.max_num_examples,
             "weight_by_num_examples": self.weight_by_num_examples,
@@ -576,6 +578,14 @@ class RobustStrategy(Strategy):
             "lr_decay": self.lr_decay,
             "seed": self.seed,
         }
+
+    def _schedule_setting(self) -> Any:
+        """The server lr schedule as a checkpoint records it: its name, or what identifies a function."""
+        if isinstance(self.server_lr_schedule, str):
+            return self.server_lr_schedule
+        from fedrobust.components import rule_identity
+
+        return rule_identity(self.server_lr_schedule)
 
     def _rule_setting(self, rule: Any) -> Any:
         """How the checkpoint's settings name the rule: its name; a built Aggregator's label; for a user's
@@ -1014,6 +1024,9 @@ class RobustStrategy(Strategy):
         )
         self._pins_checked = False
         self._said_more_faulty = self._said_uncounted = False  # said once a run
+        # What this run's nodes report; a reused strategy's earlier nodes (other ids, other counts) do not count.
+        self.num_partitions.clear()
+        self.checkpointed_num_partitions = []
         wide = sorted(k for k, a in initial_arrays.items() if a.dtype == "float64")
         if wide:
             log.warning(
@@ -1031,8 +1044,9 @@ class RobustStrategy(Strategy):
             evaluate_config=evaluate_config or ConfigRecord(),
             evaluate_fn=evaluate_fn,
         )
-        # Under flwr run (a thread of flwr-simulation) and on a deployment (flwr-serverapp) a signal or
-        # `flwr stop` ends the process through Flower's exit path: it waits there for this run's checkpoint.
+        # Under flwr run (a thread of flwr-simulation) a signal or `flwr stop` ends the process through
+        # Flower's exit path, which then waits for this run's checkpoint; on a deployment (flwr-serverapp,
+        # the main thread) SIGTERM/SIGINT ask for the stop directly while the run lasts.
         with on_flower_exit(self.request_stop):
             return loop.run(initial_arrays)
 

@@ -120,6 +120,7 @@ class RoundLoop:
             state = resumed.global_state
             arrays = ArrayRecord({k: state[k] for k in initial_arrays})  # restore() checked: the same keys
             s.load_state_dict(resumed.strategy_tensors, resumed.strategy_meta)
+            s.liveness.forget_heard()  # its report counts this run's nodes, not the checkpoint's old ids
             self.guard = resumed.guard
             self.client_states = client_state.decode(resumed.client_tensors, resumed.client_state)
             self._states_to_send = dict(self.client_states)
@@ -327,7 +328,7 @@ class RoundLoop:
 
     def _say_if_too_few_for_f(self) -> None:
         """Warn before any training when fewer nodes are connected than the rule needs at ``num_byzantine``:
-        round 1 then stops the run after its training, unless validation rejects enough replies (each proven
+        the first round then stops the run after its training, unless validation rejects enough replies (each proven
         faulty one lowers f). Not an error here: nodes may still join, and a drill's attackers may be rejected."""
         s = self.strategy
         connected = len(list(self.grid.get_node_ids()))
@@ -336,8 +337,8 @@ class RoundLoop:
             return
         fits = s._largest_f_for(connected, s.num_byzantine)
         log.warning(
-            "%d nodes connected, but %s with f=%d needs at least %d valid replies: round 1 stops the run unless "
-            "more nodes join or validation rejects replies; connect more nodes or lower num_byzantine%s",
+            "%d nodes connected, but %s with f=%d needs at least %d valid replies: the first round stops the run "
+            "unless more nodes join or validation rejects replies; connect more nodes or lower num_byzantine%s",
             connected, rule.label, s.num_byzantine, rule.min_n(),
             f" (with {connected} nodes, at most {fits})" if fits is not None else "",
         )

@@ -2,12 +2,15 @@
 
 A scheduler, a Ctrl-C or ``flwr stop`` reaches the process that runs the ServerApp in one of two ways:
 
-- as SIGTERM/SIGINT to a main thread of our own (``experiments.run``, a ServerApp Flower runs in the
-  main thread): :func:`install_stop_handlers`;
+- as SIGTERM/SIGINT to the main thread that runs the round loop: handlers of our own,
+  :func:`install_stop_handlers` (``experiments.run``, fedrobust's ServerApp) or, where Flower's are
+  installed there (``flwr-serverapp`` on a deployment), :class:`StopSignals` in their place for the run
+  (:func:`on_flower_exit`);
 - through Flower's exit path (``flwr_exit`` and its exit handlers), when Flower runs the ServerApp in
-  a thread (``flwr-simulation``) or owns the process's signal handlers (``flwr-serverapp``):
-  :class:`FlowerExitWatch`, which :meth:`RobustStrategy.start` registers for every run, so a user's
-  own ServerApp stops as cleanly as fedrobust's.
+  a thread (``flwr-simulation``) or ends the process for ``flwr stop``: :class:`FlowerExitWatch`.
+
+:meth:`RobustStrategy.start` takes both for every run (:func:`on_flower_exit`), so a user's own
+ServerApp stops as cleanly as fedrobust's.
 """
 
 from __future__ import annotations
@@ -22,10 +25,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-# Ray's C++ failure-signal handler would turn SIGTERM into an abort ~3 s after it. Under `flwr run` this
-# module is imported in flwr-simulation before its simulation engine starts Ray (see _chain_ray_sigterm_handler).
-os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
 
 class StopSignals:
@@ -87,9 +86,12 @@ class FlowerExitWatch:
         self.request_stop = request_stop
         self.wait = wait
         self.finished = threading.Event()  # the round loop has ended
+        # The round loop's thread: Flower's exit path run on it (a signal handler of Flower's in the thread
+        # that runs the loop) cannot wait for the loop, which could only go on once the handler returned.
+        self.loop_thread = threading.get_ident()
 
     def start(self) -> bool:
-        """Register with Flower's exit path; False where this Flower lacks the hook."""
+        """Register with Flower's exit path (from the round loop's thread); False where Flower lacks the hook."""
         try:
             from flwr.supercore.exit import add_exit_handler
         except ImportError:
@@ -103,6 +105,9 @@ class FlowerExitWatch:
     def stop_and_wait(self) -> None:
         """Request the stop and wait until the round loop has ended (runs in the main thread)."""
         if self.finished.is_set():
+            return
+        if threading.get_ident() == self.loop_thread:
+            self.request_stop()  # on_flower_exit swaps Flower's handlers for StopSignals there: not reached by them
             return
         log.warning("Flower is ending this process: finishing up, writing a checkpoint")
         _log_further_signals()
@@ -129,13 +134,27 @@ class FlowerExitWatch:
 
 @contextlib.contextmanager
 def on_flower_exit(request_stop: Callable[[], None]) -> Iterator[None]:
-    """While the block runs, Flower's exit path (a signal under ``flwr run``, ``flwr stop``) asks for the stop
-    and waits for the round loop to end, as :class:`FlowerExitWatch` says."""
+    """While the round loop runs in the block, the ways Flower ends the process ask for the stop instead.
+
+    Flower's exit path (a signal under ``flwr run``, where the loop runs in a thread of flwr-simulation;
+    ``flwr stop``) waits for the loop to end, as :class:`FlowerExitWatch` says. Where the loop runs in the
+    main thread and Flower's signal handlers are installed there (``flwr-serverapp`` on a deployment),
+    their exit path would run in the loop's own thread, which cannot wait for itself: for the block,
+    SIGTERM/SIGINT go to :class:`StopSignals` instead, and Flower's handlers come back after it. A
+    handler that is not Flower's (a caller's own, Python's default) is left as it is.
+    """
     watch = FlowerExitWatch(request_stop)
     watch.start()
+    replaced: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if getattr(signal.getsignal(signum), "__module__", "").startswith("flwr."):
+                replaced[signum] = _set_handler(signum, StopSignals(request_stop))
     try:
         yield
     finally:
+        for signum, handler in replaced.items():
+            _set_handler(signum, handler)
         watch.finish()
 
 
@@ -181,6 +200,10 @@ def _chain_ray_sigterm_handler() -> None:
     """
     if os.path.basename(sys.argv[0]) != "flwr-simulation" or signal.signal is not _set_handler:
         return
+    # Ray's C++ failure-signal handler would turn SIGTERM into an abort ~3 s after it (read when Ray is
+    # imported; experiments/simulate.py sets it for the Hydra runs). Only here: elsewhere Ray keeps its
+    # crash reports.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
     def set_handler(signum: int, handler: Any) -> Any:
         if signum == signal.SIGTERM and callable(handler) and getattr(handler, "__module__", "").startswith("ray."):

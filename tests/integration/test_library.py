@@ -262,8 +262,8 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do(caplog: pytest.LogCapt
     with caplog.at_level(logging.INFO), pytest.raises(QuorumError, match=r"at most 2\)\)$"):
         _start_on_honest_nodes(strategy, 5)
     said = [r.getMessage() for r in caplog.records]
-    warned = [i for i, line in enumerate(said) if line.startswith("5 nodes connected, but trimmed_mean with f=3 needs "
-                                                                    "at least 7 valid replies: round 1 stops the run")]
+    warned = [i for i, line in enumerate(said) if line.startswith(
+        "5 nodes connected, but trimmed_mean with f=3 needs at least 7 valid replies: the first round stops the run")]
     trained = [i for i, line in enumerate(said) if "round 1" in line and "not aggregated" in line]
     assert len(warned) == 1 and said[warned[0]].endswith("(with 5 nodes, at most 2)"), said
     assert trained and warned[0] < trained[0], said  # before the round's training, not after it
@@ -970,6 +970,17 @@ def test_a_model_that_keeps_diverging_names_the_cause() -> None:
         _start_on_honest_nodes(strategy, 4, evaluate=lambda server_round, arrays: MetricRecord({"loss": float("nan")}))
 
 
+# The end of the scripts below, which stop a run in a process of their own: `strategy` on `grid`, with
+# `evaluate`, until the stop; says whether a checkpoint was written.
+_STARTS_UNTIL_STOPPED = """
+try:
+    with _server_identity(grid.run.run_id):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds={rounds},
+                       evaluate_fn=evaluate)
+except Preempted as stopped:
+    print("checkpointed:", stopped.checkpointed)
+"""
+
 def test_a_stop_whose_checkpoint_the_disk_refuses_says_where_a_resume_starts(tmp_path: Path) -> None:
     """Round 1's checkpoint is written; then the disk refuses writes (RLIMIT_FSIZE: EFBIG, as a full disk's
     ENOSPC) and a stop comes in round 2. The stop's own checkpoint fails: the run says so, and that a resume
@@ -1003,13 +1014,7 @@ def evaluate(server_round, arrays):
 app = ClientApp()
 app.train()(train)
 grid = InProcessGrid(app, 4, seed=0, nodes={{10 + i: {{"partition-id": i + 3, "num-partitions": 8}} for i in range(4)}})
-try:
-    with _server_identity(grid.run.run_id):
-        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=4,
-                       evaluate_fn=evaluate)
-except Preempted as stopped:
-    print("checkpointed:", stopped.checkpointed)
-"""
+""" + _STARTS_UNTIL_STOPPED.format(rounds=4)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "stopping: the checkpoint of round 2 could not be written; a resume starts after round 1" in done.stdout, (
@@ -1067,6 +1072,43 @@ def test_flowers_exit_path_stops_a_users_run_after_checkpointing_it(tmp_path: Pa
     assert exit_handler.registered_exit_handlers == before
 
 
+def test_a_users_app_in_the_main_thread_with_flowers_signal_handlers_stops_with_its_checkpoint(tmp_path: Path) -> None:
+    """flwr-serverapp (a deployment) runs the ServerApp in its main thread, under Flower's signal handlers,
+    whose exit path would run in the round loop's own thread and could not wait for it. During start()
+    SIGTERM asks the loop to stop instead: the checkpoint of round 2 is written, Preempted is raised, and
+    Flower's handler is back afterwards."""
+    import subprocess
+
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from flwr.app import ArrayRecord, MetricRecord
+from flwr.supercore.exit import register_signal_handlers
+from flwr.supercore.telemetry import EventType
+from experiments.inprocess import InProcessGrid, _server_identity
+from fedrobust import Preempted, RobustStrategy
+from tests.integration.test_library import _echo_app, make_net
+
+register_signal_handlers(event_type=EventType.FLWR_SERVERAPP_RUN_LEAVE, exit_message="Task stopped by user.")
+flowers = signal.getsignal(signal.SIGTERM)
+strategy = RobustStrategy(aggregator="median", num_byzantine=1, checkpoint_dir={str(tmp_path / "ckpt")!r},
+                          checkpoint_every=0, progress=False)
+
+def evaluate(server_round, arrays):
+    if server_round == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return MetricRecord({{"loss": 1.0}})
+
+grid = InProcessGrid(_echo_app(lambda _: {{"num-examples": 10}}), 4, seed=0)
+""" + _STARTS_UNTIL_STOPPED.format(rounds=5) + """
+print("flower's handler back:", signal.getsignal(signal.SIGTERM) is flowers)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "checkpointed: True" in done.stdout and "flower's handler back: True" in done.stdout, done.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("round-*")) == ["round-000002"]
+
+
 def test_a_resumed_result_has_the_initial_evaluation_of_the_first_start(tmp_path: Path) -> None:
     """Flower's Result holds the initial model's central evaluation as round 0. A resume does not evaluate
     the initial arrays again (they may be a fresh random init): round 0 comes from the checkpoint."""
@@ -1101,10 +1143,10 @@ def test_a_run_whose_server_lr_follows_a_schedule_is_not_extended_on_resume(tmp_
     constant lr may be extended); force_resume continues anyway."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
-    def start(num_rounds: int, **options: Any) -> Result:
+    def start(num_rounds: int, directory: str = "ckpt", **options: Any) -> Result:
         grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
-        strategy = RobustStrategy(aggregator="median", checkpoint_dir=tmp_path / "ckpt", progress=False,
-                                  server_lr_schedule="cosine", **options)
+        strategy = RobustStrategy(aggregator="median", checkpoint_dir=tmp_path / directory, progress=False,
+                                  **{"server_lr_schedule": "cosine", **options})
         with _server_identity(grid.run.run_id):
             return strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()),
                                   num_rounds=num_rounds)
@@ -1113,6 +1155,11 @@ def test_a_run_whose_server_lr_follows_a_schedule_is_not_extended_on_resume(tmp_
     with pytest.raises(CheckpointMismatchError, match=r"saved with other settings: num_rounds: 2 -> 4"):
         start(4)
     assert sorted(start(4, force_resume=True).train_metrics_clientapp) == [1, 2, 3, 4]
+    # A constant lr may be extended; a resume that switches the schedule on is refused, naming it.
+    start(2, "constant", server_lr_schedule="constant")
+    assert sorted(start(3, "constant", server_lr_schedule="constant").train_metrics_clientapp) == [1, 2, 3]
+    with pytest.raises(CheckpointMismatchError, match=r"server_lr_schedule: 'constant' -> 'cosine'"):
+        start(4, "constant")
 
 
 def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCaptureFixture) -> None:

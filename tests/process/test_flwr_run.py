@@ -151,7 +151,6 @@ def test_quickstart_robust_example_trains_under_flwr_run(tmp_path: Path) -> None
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("round-"))[-1] == "round-000003"
 
 
-
 @pytest.mark.slow(seconds=40)
 @pytest.mark.timeout(360)
 def test_a_users_own_app_stops_on_sigterm_with_the_checkpoint_of_its_last_round(tmp_path: Path) -> None:

@@ -222,6 +222,7 @@ def test_flower_exit_path_requests_the_stop_and_waits_for_the_round_loop(monkeyp
     assert watch.start()
     loop = threading.Thread(target=round_loop)
     loop.start()
+    watch.loop_thread = loop.ident  # the watch belongs to the loop's thread; Flower's exit runs in this one
     exit_handler.trigger_exit_handlers(run_before_force_exit=True)
     returned_at = time.monotonic()
     loop.join()

@@ -440,7 +440,10 @@ def test_a_sweep_whose_jobs_share_a_checkpoint_dir_starts_none(
         "after the first would resume the first one's checkpoint; give each job its own, e.g. "
         "checkpoint.dir='<dir>/${hydra:job.num}' or '<dir>/${seed}'",
         "no job of the sweep was started"], outcome.stderr
-    for per_job in ("${hydra:job.num}", "${seed}"):
+    outcome = _cli([*base, f"checkpoint.dir={tmp_path}/ck/${{seed}}", f"checkpoint.mirror={tmp_path}/mirror"],
+                   monkeypatch, real_hydra=True)  # a resume reads the mirror too
+    assert outcome.code == 2 and f"share checkpoint.mirror={tmp_path.resolve()}/mirror" in outcome.stderr
+    for per_job in ("${hydra:job.num}", "${seed}", "${hydra:sweep.subdir}"):
         outcome = _cli([*base[:1], "num_rounds=0", *base[2:], f"checkpoint.dir={tmp_path}/ck/{per_job}"], monkeypatch,
                        real_hydra=True)
         problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
@@ -461,6 +464,7 @@ def test_a_syntax_error_or_a_sweep_without_multirun_is_an_invalid_configuration(
     outcome = _cli(["aggregator=krum,median", "num_rounds=1"], monkeypatch)
     assert outcome.code == 2 and outcome.stderr.splitlines()[1:] == [
         "  aggregator=krum,median: a sweep over values runs with -m (--multirun)"], outcome.stderr
+    assert run.override_problems(["seed=0,1", "hydra.mode=MULTIRUN"]) == []  # Hydra's other way to say -m
     assert not engine_guard
 
 

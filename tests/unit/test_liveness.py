@@ -255,6 +255,7 @@ def test_after_a_resume_the_report_counts_the_nodes_of_this_run_not_those_of_the
     first.refresh_liveness(grid([1, 2, 3, 4]), 1)
     resumed = RobustStrategy(aggregator="median", progress=False)
     resumed.liveness.load_state_dict(json.loads(json.dumps(first.liveness.state_dict())))
+    resumed.liveness.forget_heard()  # what the round loop does on a resume
     assert resumed.refresh_liveness(grid([5, 6, 7, 8]), 2) == [5, 6, 7, 8]
     assert resumed.liveness.status(1) == "dead"
     assert resumed.liveness.snapshot() == {"alive": 4, "suspected": 0, "dead": 0, "quarantined": 0}
@@ -262,3 +263,21 @@ def test_after_a_resume_the_report_counts_the_nodes_of_this_run_not_those_of_the
     assert resumed.liveness.snapshot() == {"alive": 5, "suspected": 0, "dead": 0, "quarantined": 0}
     resumed.refresh_liveness(grid([5, 6, 7, 8]), 4)  # node 1, heard of in this run, is gone again: dead
     assert resumed.liveness.snapshot() == {"alive": 4, "suspected": 0, "dead": 1, "quarantined": 0}
+
+
+def test_a_rollback_within_a_run_keeps_counting_its_dead_nodes() -> None:
+    """A divergence rollback restores the liveness state of an earlier round: the node that went dead in
+    this run still counts in the report (only a resume forgets the nodes heard of)."""
+    from types import SimpleNamespace
+
+    from fedrobust.strategies.robust_strategy import RobustStrategy
+
+    def grid(node_ids: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(get_nodes=lambda: [SimpleNamespace(node_id=n, status="online") for n in node_ids])
+
+    strategy = RobustStrategy(aggregator="median", progress=False)
+    strategy.refresh_liveness(grid([1, 2, 3, 4]), 1)
+    strategy.refresh_liveness(grid([1, 2, 3]), 2)
+    strategy.load_state_dict(*strategy.state_dict())  # as a rollback does
+    strategy.refresh_liveness(grid([1, 2, 3]), 3)
+    assert strategy.liveness.snapshot() == {"alive": 3, "suspected": 0, "dead": 1, "quarantined": 0}

@@ -829,6 +829,19 @@ def test_a_client_errors_reason_is_its_root_cause_in_one_line() -> None:
     )
     reason = "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'" + ray + "'>"
     assert error_reason(reason) == "ValueError: No query function registered with name 'default'"
+    # A client that raised its own error while handling another: its own is the reason.
+    handled = (
+        '  File "/app/client_app.py", line 12, in train\n    partition = context.node_config["partition-id"]\n'
+        "KeyError: 'partition-id'\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        '  File "/app/client_app.py", line 14, in train\n'
+        "ValueError: node config has no partition-id\n\n"
+        "The above exception was the direct cause of the following exception:\n\n"
+        "flwr.clientapp.client_app.ClientAppException: \n"
+        "Exception ClientAppException occurred. Message: node config has no partition-id"
+    )
+    assert error_reason("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'" + handled + "'>") == (
+        "ValueError: node config has no partition-id"
+    )
     assert error_reason("the node went away") == "the node went away"
     assert error_reason("") == error_reason("\n \n") == "unknown error"
     assert len(error_reason("x" * 1000, limit=50)) == 50
