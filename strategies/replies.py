@@ -52,7 +52,7 @@ def error_reason(reason: object, limit: int = 200) -> str:
             during = True
         elif text.startswith("The above exception was the direct cause"):
             during = False
-        elif _RAISED.match(text) and not _WRAPPER.search(text) and (not line or during):
+        elif _RAISED.match(text) and not _WRAPPER.search(text.split(":", 1)[0]) and (not line or during):
             line, during = text, False
     if not line:
         line = lines[-1] if lines else "unknown error"

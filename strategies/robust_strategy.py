@@ -1027,6 +1027,7 @@ class RobustStrategy(Strategy):
         # What this run's nodes report; a reused strategy's earlier nodes (other ids, other counts) do not count.
         self.num_partitions.clear()
         self.checkpointed_num_partitions = []
+        self.liveness.forget_heard()  # nor in the liveness report
         wide = sorted(k for k, a in initial_arrays.items() if a.dtype == "float64")
         if wide:
             log.warning(

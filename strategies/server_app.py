@@ -206,7 +206,9 @@ def make_server_app(
             return
 
         def hook(strategy: RobustStrategy) -> None:
-            install_stop_handlers(strategy.request_stop)  # elsewhere start() takes Flower's exit path
+            # In the main thread (flwr-serverapp), for good: the process ends with the run. In a thread
+            # (flwr-simulation) it installs nothing, and start() takes Flower's exit path.
+            install_stop_handlers(strategy.request_stop)
 
         run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=hook)
 

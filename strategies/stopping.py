@@ -107,7 +107,7 @@ class FlowerExitWatch:
         if self.finished.is_set():
             return
         if threading.get_ident() == self.loop_thread:
-            self.request_stop()  # on_flower_exit swaps Flower's handlers for StopSignals there: not reached by them
+            self.request_stop()  # on_flower_exit swaps Flower's signal handlers there; another exit path
             return
         log.warning("Flower is ending this process: finishing up, writing a checkpoint")
         _log_further_signals()
@@ -132,6 +132,15 @@ class FlowerExitWatch:
                 ]
 
 
+# The signals Flower's register_signal_handlers takes (SIGQUIT where the platform has it).
+_FLOWERS_SIGNALS = (signal.SIGTERM, signal.SIGINT) + ((signal.SIGQUIT,) if hasattr(signal, "SIGQUIT") else ())
+
+
+def _is_flowers(handler: object) -> bool:
+    module = getattr(handler, "__module__", None)
+    return isinstance(module, str) and module.startswith("flwr.")
+
+
 @contextlib.contextmanager
 def on_flower_exit(request_stop: Callable[[], None]) -> Iterator[None]:
     """While the round loop runs in the block, the ways Flower ends the process ask for the stop instead.
@@ -140,17 +149,19 @@ def on_flower_exit(request_stop: Callable[[], None]) -> Iterator[None]:
     ``flwr stop``) waits for the loop to end, as :class:`FlowerExitWatch` says. Where the loop runs in the
     main thread and Flower's signal handlers are installed there (``flwr-serverapp`` on a deployment),
     their exit path would run in the loop's own thread, which cannot wait for itself: for the block,
-    SIGTERM/SIGINT go to :class:`StopSignals` instead, and Flower's handlers come back after it. A
-    handler that is not Flower's (a caller's own, Python's default) is left as it is.
+    the signals Flower handles (SIGTERM, SIGINT, SIGQUIT) go to one :class:`StopSignals` instead, and
+    Flower's handlers come back after it. A handler that is not Flower's (a caller's own, Python's
+    default, fedrobust's ServerApp's) is left as it is.
     """
     watch = FlowerExitWatch(request_stop)
     watch.start()
     replaced: dict[signal.Signals, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            if getattr(signal.getsignal(signum), "__module__", "").startswith("flwr."):
-                replaced[signum] = _set_handler(signum, StopSignals(request_stop))
     try:
+        if threading.current_thread() is threading.main_thread():
+            stop = StopSignals(request_stop)
+            for signum in _FLOWERS_SIGNALS:
+                if _is_flowers(signal.getsignal(signum)):
+                    replaced[signum] = _set_handler(signum, stop)
         yield
     finally:
         for signum, handler in replaced.items():
@@ -206,7 +217,8 @@ def _chain_ray_sigterm_handler() -> None:
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
 
     def set_handler(signum: int, handler: Any) -> Any:
-        if signum == signal.SIGTERM and callable(handler) and getattr(handler, "__module__", "").startswith("ray."):
+        module = getattr(handler, "__module__", None)
+        if signum == signal.SIGTERM and callable(handler) and isinstance(module, str) and module.startswith("ray."):
             handler = _on_sigterm_under_flwr_simulation
         return _set_handler(signum, handler)
 

@@ -1072,11 +1072,14 @@ def test_flowers_exit_path_stops_a_users_run_after_checkpointing_it(tmp_path: Pa
     assert exit_handler.registered_exit_handlers == before
 
 
-def test_a_users_app_in_the_main_thread_with_flowers_signal_handlers_stops_with_its_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGQUIT"])
+def test_a_users_app_in_the_main_thread_with_flowers_signal_handlers_stops_with_its_checkpoint(
+    tmp_path: Path, signame: str
+) -> None:
     """flwr-serverapp (a deployment) runs the ServerApp in its main thread, under Flower's signal handlers,
     whose exit path would run in the round loop's own thread and could not wait for it. During start()
-    SIGTERM asks the loop to stop instead: the checkpoint of round 2 is written, Preempted is raised, and
-    Flower's handler is back afterwards."""
+    a signal Flower handles asks the loop to stop instead: the checkpoint of round 2 is written, Preempted
+    is raised, and Flower's handler is back afterwards."""
     import subprocess
 
     code = f"""
@@ -1090,18 +1093,18 @@ from fedrobust import Preempted, RobustStrategy
 from tests.integration.test_library import _echo_app, make_net
 
 register_signal_handlers(event_type=EventType.FLWR_SERVERAPP_RUN_LEAVE, exit_message="Task stopped by user.")
-flowers = signal.getsignal(signal.SIGTERM)
+flowers = signal.getsignal(signal.{signame})
 strategy = RobustStrategy(aggregator="median", num_byzantine=1, checkpoint_dir={str(tmp_path / "ckpt")!r},
                           checkpoint_every=0, progress=False)
 
 def evaluate(server_round, arrays):
     if server_round == 2:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.{signame})
     return MetricRecord({{"loss": 1.0}})
 
 grid = InProcessGrid(_echo_app(lambda _: {{"num-examples": 10}}), 4, seed=0)
-""" + _STARTS_UNTIL_STOPPED.format(rounds=5) + """
-print("flower's handler back:", signal.getsignal(signal.SIGTERM) is flowers)
+""" + _STARTS_UNTIL_STOPPED.format(rounds=5) + f"""
+print("flower's handler back:", signal.getsignal(signal.{signame}) is flowers)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
