@@ -15,6 +15,7 @@ aggregated, with the reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -580,12 +581,20 @@ class RobustStrategy(Strategy):
         }
 
     def _schedule_setting(self) -> Any:
-        """The server lr schedule as a checkpoint records it: its name, or what identifies a function."""
-        if isinstance(self.server_lr_schedule, str):
-            return self.server_lr_schedule
+        """The server lr schedule as a checkpoint records it: its name, or what identifies a function (for a
+        functools.partial, its function and bound values: every partial is the same class)."""
+        schedule = self.server_lr_schedule
+        if isinstance(schedule, str):
+            return schedule
         from fedrobust.components import rule_identity
 
-        return rule_identity(self.server_lr_schedule)
+        if isinstance(schedule, functools.partial):
+            def plain(value: Any) -> Any:  # a scalar as it is; another object by its type (its repr has an address)
+                return value if isinstance(value, bool | int | float | str | type(None)) else type(value).__qualname__
+
+            return {"partial": rule_identity(schedule.func), "args": [plain(a) for a in schedule.args],
+                    "keywords": {k: plain(v) for k, v in sorted(schedule.keywords.items())}}
+        return rule_identity(schedule)
 
     def _rule_setting(self, rule: Any) -> Any:
         """How the checkpoint's settings name the rule: its name; a built Aggregator's label; for a user's

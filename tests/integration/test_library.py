@@ -1165,6 +1165,24 @@ def test_a_run_whose_server_lr_follows_a_schedule_is_not_extended_on_resume(tmp_
         start(4, "constant")
 
 
+def _warmup(server_round: int, num_rounds: int, rounds: int = 1) -> float:
+    return min(1.0, server_round / rounds)
+
+
+def test_a_partial_lr_schedule_is_recorded_by_its_function_and_bound_values() -> None:
+    """Every functools.partial is the same class: a checkpoint must tell warm-up over 5 rounds from 50."""
+    import functools
+
+    def recorded(schedule: Any) -> Any:
+        return RobustStrategy(server_lr_schedule=schedule, progress=False).settings["server_lr_schedule"]
+
+    five, fifty = functools.partial(_warmup, rounds=5), functools.partial(_warmup, rounds=50)
+    assert recorded(five) != recorded(fifty)
+    assert recorded(five) == recorded(functools.partial(_warmup, rounds=5))  # the same in every process
+    # An object bound in is recorded by its type: its repr holds an address, other in every process.
+    assert recorded(functools.partial(_warmup, rounds=object()))["keywords"] == {"rounds": "object"}
+
+
 def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCaptureFixture) -> None:
     """The server's update matrix and step are float32: a float64 model keeps its dtype but not its
     precision, which the run says at its start rather than leaving a user to find out from the bytes."""
