@@ -304,8 +304,11 @@ class RoundCheckpointer:
         # Settings a checkpoint of an earlier version does not record are not compared.
         unrecorded = [k for k in _RECORDED_LATER if k in self.settings and k not in saved]
         current = {k: v for k, v in self.settings.items() if k not in unrecorded}
-        # A checkpoint that records its lr schedule records num_rounds only under a schedule, by design.
-        said = [k for k in unrecorded if not (k == "num_rounds" and "server_lr_schedule" in saved)]
+        # A checkpoint that records its lr schedule records num_rounds only under a schedule, by design; and
+        # where both record a whole run config (the Hydra path), the schedule and the train config follow from
+        # it, so they were compared after all.
+        said = [k for k in unrecorded if not (k == "num_rounds" and "server_lr_schedule" in saved)
+                and not (k in _IN_RUN_CONFIG and RUN_SETTINGS_KEY in saved and RUN_SETTINGS_KEY in self.settings)]
         if said:
             log.warning("checkpoint %s records no %s (saved by an earlier version): not compared",
                         checkpoint.path, ", ".join(said))
@@ -378,6 +381,9 @@ class RoundCheckpointer:
 # Settings recorded since a later version (the train config of start(); the server lr schedule, and
 # num_rounds where the lr follows one): an earlier checkpoint lacks them.
 _RECORDED_LATER = ("train_config", "num_rounds", "server_lr_schedule", "server_lr_min_ratio")
+# The key under which the Hydra path records its whole run config, and the later settings that follow from it.
+RUN_SETTINGS_KEY = "run"
+_IN_RUN_CONFIG = ("train_config", "server_lr_schedule", "server_lr_min_ratio")
 
 
 def _reason(err: BaseException) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from fedrobust import server_optim, signing
 from fedrobust.config import RunConfig
+from fedrobust.strategies.checkpointing import RUN_SETTINGS_KEY
 from fedrobust.strategies.evaluation import server_update_fn
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
 
@@ -110,5 +111,5 @@ def strategy_from_config(
         update_hook=update_hook,
         # Lazy: the root data set is loaded only if the rule asks for the server's update (fltrust).
         server_update_fn=server_update_fn(cfg),
-        settings={"run": run_settings(cfg)},
+        settings={RUN_SETTINGS_KEY: run_settings(cfg)},
     )

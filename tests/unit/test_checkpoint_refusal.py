@@ -53,3 +53,29 @@ def test_a_fresh_start_moves_earlier_checkpoints_aside_and_never_deletes_them(tm
     # The moved checkpoints no longer count: a resume now finds the fresh run's round 1.
     resumed = _checkpointer(url).restore()
     assert resumed is not None and resumed.round == 1
+
+
+def test_an_earlier_hydra_checkpoint_is_not_said_to_lack_what_its_run_config_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Hydra path records its whole run config (server optimizer schedule and client settings in it): a
+    checkpoint of a version that recorded no ``server_lr_schedule`` or ``train_config`` still compared them."""
+    url = tmp_path / "ck"
+    run = {"server_optimizer": {"schedule": "constant"}, "client": {"lr": 0.3}}
+    earlier = RoundCheckpointer(str(url), settings={"run": run, "seed": 0})
+    assert earlier.restore() is None
+    earlier.save(1, {"w": torch.zeros(4)}, ({}, {}), [], GuardState(), wait=True)
+    later = {"train_config": {"lr": 0.3}, "server_lr_schedule": "constant", "server_lr_min_ratio": 0.0}
+    with caplog.at_level("WARNING"):
+        assert RoundCheckpointer(str(url), settings={"run": run, "seed": 0, **later}).restore() is not None
+    assert not [r for r in caplog.records if "records no" in r.getMessage()]
+    # Without a run config the same checkpoint says what it could not compare.
+    plain = tmp_path / "plain"
+    earlier = RoundCheckpointer(str(plain), settings={"seed": 0})
+    assert earlier.restore() is None
+    earlier.save(1, {"w": torch.zeros(4)}, ({}, {}), [], GuardState(), wait=True)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert RoundCheckpointer(str(plain), settings={"seed": 0, **later}).restore() is not None
+    assert any("records no train_config, server_lr_schedule, server_lr_min_ratio" in r.getMessage()
+               for r in caplog.records)
