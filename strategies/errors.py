@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from flwr.app.exception import AppExitException
+from flwr.supercore.exit import ExitCode
+
 # Exit code of a process stopped by SIGTERM/SIGINT after writing its checkpoint (EX_TEMPFAIL):
 # run the same command again to continue.
 EXIT_PREEMPTED = 75
@@ -29,12 +32,17 @@ class CheckpointStorageError(ValueError):
     trained; the message names the location and the storage's own reason."""
 
 
-class Preempted(RuntimeError):
+class Preempted(RuntimeError, AppExitException):
     """The run was asked to stop (SIGTERM/SIGINT).
 
     ``checkpointed`` tells whether a checkpoint of the last completed round exists, i.e. whether
     running the same command again continues instead of starting over.
+
+    A Flower ``AppExitException`` with a graceful exit code: a ServerApp that lets it through ends
+    ``flwr-serverapp`` as Flower's own signal handling does (exit status 0), not as a failure (1).
     """
+
+    exit_code = ExitCode.GRACEFUL_EXIT_SIGTERM
 
     def __init__(self, message: str, *, checkpointed: bool = False) -> None:
         super().__init__(message)

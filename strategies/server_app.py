@@ -26,11 +26,10 @@ from fedrobust.data import DataUnavailableError
 from fedrobust.dir_lock import DirectoryInUseError
 from fedrobust.run_setup import byzantine_partitions, config_problems, validate
 from fedrobust.strategies.checkpointing import NoValidCheckpointError
-from fedrobust.strategies.errors import CheckpointStorageError, QuorumError
+from fedrobust.strategies.errors import CheckpointStorageError, Preempted, QuorumError
 from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
 from fedrobust.strategies.from_config import strategy_from_config
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
-from fedrobust.strategies.stopping import install_stop_handlers
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +167,10 @@ def make_server_app(
 ) -> ServerApp:
     """A ServerApp running ``cfg`` (or, when None, the run config Flower passes in).
 
-    When ``on_strategy`` is None, a stop makes the app checkpoint the last completed round and end:
-    SIGTERM/SIGINT handlers where the app runs in the main thread, otherwise (``flwr run``, where
-    Flower runs it in a thread of ``flwr-simulation``) Flower's own exit path, which
-    :meth:`RobustStrategy.start` takes for every run (:mod:`fedrobust.strategies.stopping`).
+    A stop (SIGTERM, SIGINT, SIGQUIT, ``flwr stop``) makes the round loop checkpoint the last completed
+    round and end: :meth:`RobustStrategy.start` takes Flower's signal handlers and exit path for the run
+    (:mod:`fedrobust.strategies.stopping`), and gives them back after it. The app then ends with
+    :class:`Preempted`, in one line and, for ``flwr-serverapp``, a graceful exit.
     """
     app = ServerApp()
     flower_log = logging.getLogger("flwr")
@@ -186,6 +185,9 @@ def make_server_app(
             if cfg is None:  # under flwr run; experiments.run prints its own line for these
                 _say_in_one_line(error)
             raise  # the run ends failed, as Flower reports it (flwr ls: finished:failed)
+        except Preempted as stop:
+            setattr(stop, _SAID, True)  # the round loop has said how far the checkpoints got
+            raise
 
     def run(grid: Grid, context: Context) -> None:
         from flwr.superlink.grid import HttpGrid
@@ -201,16 +203,7 @@ def make_server_app(
                 "python -m fedrobust.keygen (docs/deployment.md, sections 2 and 7)."
             )
         target = out_dir if out_dir is not None else Path(run_cfg.output_dir or f"outputs/run-{grid.run.run_id}")
-        if on_strategy is not None:
-            run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=on_strategy)
-            return
-
-        def hook(strategy: RobustStrategy) -> None:
-            # In the main thread (flwr-serverapp), for good: the process ends with the run. In a thread
-            # (flwr-simulation) it installs nothing, and start() takes Flower's exit path.
-            install_stop_handlers(strategy.request_stop)
-
-        run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=hook)
+        run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=on_strategy)
 
     return app
 

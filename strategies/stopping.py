@@ -3,7 +3,7 @@
 A scheduler, a Ctrl-C or ``flwr stop`` reaches the process that runs the ServerApp in one of two ways:
 
 - as SIGTERM/SIGINT to the main thread that runs the round loop: handlers of our own,
-  :func:`install_stop_handlers` (``experiments.run``, fedrobust's ServerApp) or, where Flower's are
+  :func:`install_stop_handlers` (``experiments.run``) or, where Flower's are
   installed there (``flwr-serverapp`` on a deployment), :class:`StopSignals` in their place for the run
   (:func:`on_flower_exit`);
 - through Flower's exit path (``flwr_exit`` and its exit handlers), when Flower runs the ServerApp in
@@ -151,7 +151,7 @@ def on_flower_exit(request_stop: Callable[[], None]) -> Iterator[None]:
     their exit path would run in the loop's own thread, which cannot wait for itself: for the block,
     the signals Flower handles (SIGTERM, SIGINT, SIGQUIT) go to one :class:`StopSignals` instead, and
     Flower's handlers come back after it. A handler that is not Flower's (a caller's own, Python's
-    default, fedrobust's ServerApp's) is left as it is.
+    default, ``experiments.run``'s) is left as it is.
     """
     watch = FlowerExitWatch(request_stop)
     watch.start()

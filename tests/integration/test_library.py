@@ -1112,6 +1112,64 @@ print("flower's handler back:", signal.getsignal(signal.{signame}) is flowers)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("round-*")) == ["round-000002"]
 
 
+def test_fedrobusts_own_app_in_the_deployment_shape_stops_gracefully_in_one_line(tmp_path: Path) -> None:
+    """fedrobust's ServerApp as flwr-serverapp runs it: main thread, Flower's signal handlers, the run config
+    from Flower. SIGTERM in round 2 checkpoints round 2 and ends main with Preempted, which Flower's
+    ServerApp runner treats as a graceful exit (an AppExitException with a code of 0-99: the process exits
+    0, not 1 with "Exit Code: 201") and logs without a traceback; Flower's handler is back afterwards
+    (the app used to keep handlers of its own for good)."""
+    import subprocess
+
+    code = f"""
+import io, logging, os, signal, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from flwr.app import Context, RecordDict
+from flwr.app.exception import AppExitException
+from flwr.common.logger import log as flower_log
+from flwr.supercore.exit import register_signal_handlers
+from flwr.supercore.telemetry import EventType
+from experiments.inprocess import InProcessGrid, _server_identity
+from fedrobust import Preempted
+from fedrobust.clients.client_app import app as client_app
+from fedrobust.strategies.server_app import make_server_app
+
+register_signal_handlers(event_type=EventType.FLWR_SERVERAPP_RUN_LEAVE, exit_message="Task stopped by user.")
+flowers = signal.getsignal(signal.SIGTERM)
+ckpt = Path({str(tmp_path / "ckpt")!r})
+run_config = {{"num_rounds": 6, "num_clients": 3, "clients_per_round": 3, "num_byzantine": 0,
+              "checkpoint.dir": str(ckpt), "output_dir": {str(tmp_path / "out")!r}}}
+
+def signal_in_round_2():
+    while not (ckpt / "round-000001").is_dir():
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=signal_in_round_2, daemon=True).start()
+grid = InProcessGrid(client_app, 3, seed=0, run_config=run_config)
+context = Context(run_id=grid.run.run_id, node_id=0, node_config={{}}, state=RecordDict(), run_config=run_config)
+seen = io.StringIO()
+logging.getLogger("flwr").addHandler(logging.StreamHandler(seen))
+try:
+    with _server_identity(grid.run.run_id):
+        make_server_app()(grid, context)
+except Preempted as stopped:
+    print("checkpointed:", stopped.checkpointed)
+    print("graceful:", isinstance(stopped, AppExitException) and 0 <= stopped.exit_code < 100)
+    flower_log(logging.ERROR, "ServerApp raised an exception", exc_info=stopped)  # what flwr-serverapp runs
+    print("traceback:", "Traceback" in seen.getvalue())
+print("flower's handler back:", signal.getsignal(signal.SIGTERM) is flowers)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    keys = ("checkpointed:", "graceful:", "traceback:", "flower's handler back:")
+    lines = [line for line in done.stdout.splitlines() if line.startswith(keys)]
+    assert lines == ["checkpointed: True", "graceful: True", "traceback: False", "flower's handler back: True"], (
+        done.stdout + done.stderr)
+    rounds = sorted(p.name for p in (tmp_path / "ckpt").glob("round-*"))
+    assert rounds[-1] in ("round-000001", "round-000002") and "round-000006" not in rounds, rounds
+
+
 def test_a_resumed_result_has_the_initial_evaluation_of_the_first_start(tmp_path: Path) -> None:
     """Flower's Result holds the initial model's central evaluation as round 0. A resume does not evaluate
     the initial arrays again (they may be a fresh random init): round 0 comes from the checkpoint."""
