@@ -373,14 +373,6 @@ def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    from fedrobust.strategies.errors import (
-        EXIT_PREEMPTED,
-        AggregationError,
-        CheckpointStorageError,
-        Preempted,
-        QuorumError,
-    )
-
     run_cfg = checked_run_config(cfg)
     # Imported once the config is known to be good: Ray and Flower take seconds to import.
     from flwr.common.logger import FLOWER_LOGGER, console_handler
@@ -390,6 +382,13 @@ def main(cfg: DictConfig) -> float:
     from fedrobust.data import DataUnavailableError
     from fedrobust.dir_lock import DirectoryInUseError
     from fedrobust.strategies.checkpointing import NoValidCheckpointError
+    from fedrobust.strategies.errors import (
+        EXIT_PREEMPTED,
+        AggregationError,
+        CheckpointStorageError,
+        Preempted,
+        QuorumError,
+    )
 
     # Flower's logger has a console handler of its own and also passes its records on to Hydra's: each
     # Flower line would show twice. Hydra's handlers (the console and the run's log file) show it once.
@@ -459,8 +458,9 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
     problems: list[str] = []
     labels: list[str] = []
-    # resolved checkpoint.dir or checkpoint.mirror -> the jobs that write it (a mirror is read on resume too)
-    checkpoint_dirs: dict[tuple[str, str], list[int]] = {}
+    # a resolved checkpoint place -> (job, "dir" or "mirror") of each job that writes it there (a mirror is
+    # read on resume too, so one job's mirror must not be another's dir either)
+    checkpoint_places: dict[str, list[tuple[int, str]]] = {}
     hydra_config = HydraConfig.instance().cfg  # set for each job's resolution below, and put back after
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for number, job in enumerate(jobs):
@@ -469,12 +469,13 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
             found = override_problems(job)
             if not found:
                 try:
-                    run_cfg = to_run_config(_as_job(compose(config_name="config", overrides=with_parameter_tables(job),
-                                                            return_hydra_config=True), number))
+                    job_cfg, cwd = _as_job(compose(config_name="config", overrides=with_parameter_tables(job),
+                                                   return_hydra_config=True), number)
+                    run_cfg = to_run_config(job_cfg)
                     found = config_problems(run_cfg, local_devices=True)
                     for key, where in (("dir", run_cfg.checkpoint.dir), ("mirror", run_cfg.checkpoint.mirror)):
                         if where:
-                            checkpoint_dirs.setdefault((key, _same_place(where)), []).append(number)
+                            checkpoint_places.setdefault(_same_place(where, cwd), []).append((number, key))
                 except ConfigError as err:
                     found = list(err.problems)
                 except (HydraException, OmegaConfBaseException) as err:
@@ -482,37 +483,56 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
                 finally:
                     HydraConfig.instance().cfg = hydra_config
             problems += [f"{labels[number]}: {line}" for line in found]
-    for (key, where), numbers in checkpoint_dirs.items():
-        if len(numbers) > 1:  # a later job would resume the earlier one's run, or be refused for its settings
-            problems.append(
-                f"{', '.join(labels[n] for n in numbers)} share checkpoint.{key}={where}: each job after the "
-                f"first would resume the first one's checkpoint; give each job its own, e.g. "
-                f"checkpoint.{key}='<{key}>/${{hydra:job.num}}' or '<{key}>/${{seed}}'"
-            )
+    return problems + shared_checkpoint_places(checkpoint_places, labels)
+
+
+def shared_checkpoint_places(places: dict[str, list[tuple[int, str]]], labels: Sequence[str]) -> list[str]:
+    """One line for each checkpoint place (resolved) that more than one job of a sweep writes, as its
+    ``checkpoint.dir`` or ``checkpoint.mirror`` (``places``: place -> (job number, "dir" or "mirror")):
+    a later job would resume an earlier one's run."""
+    problems = []
+    for where, uses in places.items():
+        numbers = sorted({number for number, _ in uses})
+        if len(numbers) < 2:
+            continue
+        keys = sorted({key for _, key in uses})
+        shared = (f"checkpoint.{keys[0]}={where}" if len(keys) == 1 else f"{where} as checkpoint.dir or "
+                  f"checkpoint.mirror ({', '.join(f'job {n}: {key}' for n, key in sorted(set(uses)))})")
+        problems.append(
+            f"{', '.join(labels[n] for n in numbers)} share {shared}: each job after the first would resume "
+            f"the first one's checkpoint; give each job its own, e.g. "
+            f"checkpoint.{keys[0]}='<{keys[0]}>/${{hydra:job.num}}' or '<{keys[0]}>/${{seed}}'"
+        )
     return problems
 
 
-def _same_place(where: str) -> str:
-    """A checkpoint location in one spelling: a local path resolved (file:// included), a URL as given."""
+def _same_place(where: str, cwd: Path | None = None) -> str:
+    """A checkpoint location in one spelling: a local path resolved (file:// included; a relative one
+    against ``cwd``, the job's working directory, when given), a URL as given."""
     local = where.removeprefix("file://")
-    return where.rstrip("/") if "://" in local else str(Path(local).resolve())
+    if "://" in local:
+        return where.rstrip("/")
+    path = Path(local).expanduser()
+    return str(((cwd / path) if cwd is not None and not path.is_absolute() else path).resolve())
 
 
-def _as_job(cfg: DictConfig, number: int) -> DictConfig:
+def _as_job(cfg: DictConfig, number: int) -> tuple[DictConfig, Path | None]:
     """``cfg`` (composed with its hydra node) as Hydra's launcher hands job ``number`` to it, without the
-    hydra node: ``${hydra:job.num}`` and ``${hydra:runtime.output_dir}`` in a setting resolve as in the job."""
+    hydra node: ``${hydra:job.num}`` and ``${hydra:runtime.output_dir}`` in a setting resolve as in the job.
+    Also the job's working directory where Hydra changes to it (``hydra.job.chdir=true``), else None."""
     from omegaconf import open_dict
 
     with open_dict(cfg):
         cfg.hydra.job.num = number
         cfg.hydra.job.id = number  # as Hydra's basic launcher sets both
         cfg.hydra.runtime.output_dir = str(Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir))
+    cwd = Path(cfg.hydra.runtime.output_dir).resolve() if cfg.hydra.job.chdir else None
     # A copy, as Hydra's run_job keeps one: set_config takes the hydra node over, and a hydra: value that
     # refers to another hydra key resolves there once the node is gone from cfg.
     HydraConfig.instance().set_config(copy.deepcopy(cfg))
     with open_dict(cfg):
         del cfg["hydra"]
-    return cfg
+    return cfg, cwd
 
 
 def _is_multirun(args: Sequence[str]) -> bool:

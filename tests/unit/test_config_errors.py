@@ -452,6 +452,33 @@ def test_a_sweep_whose_jobs_share_a_checkpoint_dir_starts_none(
     assert not engine_guard and not any(tmp_path.iterdir())
 
 
+def test_one_jobs_checkpoint_dir_as_another_jobs_mirror_is_a_shared_place() -> None:
+    """A resume reads the mirror too: job 1 mirroring into job 0's directory would resume job 0's run."""
+    labels = ["job 0 (seed=0)", "job 1 (seed=1)"]
+    places = {"/ck/0": [(0, "dir"), (1, "mirror")], "/ck/1": [(1, "dir")], "/m/0": [(0, "mirror")]}
+    assert run.shared_checkpoint_places(places, labels) == [
+        "job 0 (seed=0), job 1 (seed=1) share /ck/0 as checkpoint.dir or checkpoint.mirror (job 0: dir, job 1: "
+        "mirror): each job after the first would resume the first one's checkpoint; give each job its own, e.g. "
+        "checkpoint.dir='<dir>/${hydra:job.num}' or '<dir>/${seed}'"]
+    assert run.shared_checkpoint_places({"/ck/0": [(0, "dir"), (0, "mirror")]}, labels) == []  # one job's own
+
+
+def test_a_relative_checkpoint_dir_under_hydra_chdir_is_each_jobs_own(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With hydra.job.chdir=true every job runs in its own output directory, so a relative checkpoint.dir is a
+    different place for each job: not refused as shared. Without chdir it is one place, and refused."""
+    monkeypatch.chdir(tmp_path)
+    base = ["-m", "num_rounds=0", "num_clients=6", "num_byzantine=1", "seed=0,1", f"hydra.sweep.dir={tmp_path}/sw",
+            "checkpoint.dir=ck"]
+    outcome = _cli([*base, "hydra.job.chdir=true"], monkeypatch, real_hydra=True)
+    problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
+    assert outcome.code == 2 and len(problems) == 3 and "share" not in outcome.stderr, outcome.stderr
+    outcome = _cli(base, monkeypatch, real_hydra=True)
+    assert outcome.code == 2 and f"share checkpoint.dir={tmp_path.resolve()}/ck:" in outcome.stderr, outcome.stderr
+    assert not engine_guard
+
+
 def test_a_syntax_error_or_a_sweep_without_multirun_is_an_invalid_configuration(
     engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
