@@ -563,19 +563,34 @@ def _rule_label(target: Any) -> str:
 
 def rule_identity(target: Callable[..., Any]) -> dict[str, Any]:
     """What a checkpoint records of a rule given as a function, class or object: its dotted name, a hash of
-    its source (of its class, for an object) and an object's scalar attributes, so that a resume with a
-    changed rule (other code, a lambda for another, other settings) is refused. Not ``repr()``: that holds
-    the object's address, which differs in every process."""
+    its source (of its class, for an object) and its scalar settings (an object's attributes, the values a
+    closure captured), so that a resume with a changed rule (other code, a lambda for another, other
+    settings) is refused. Not ``repr()``: that holds the object's address, which differs in every process."""
     code_of = target if inspect.isfunction(target) or inspect.isclass(target) else type(target)
     try:
         code: str | None = hashlib.sha256(inspect.getsource(code_of).encode()).hexdigest()[:16]
     except (OSError, TypeError):  # defined where no source is kept (an interactive session, a builtin)
         code = None
     scalars = (bool, int, float, str, type(None))
-    state = {} if inspect.isfunction(target) or inspect.isclass(target) else {
-        k: v for k, v in sorted(getattr(target, "__dict__", {}).items()) if isinstance(v, scalars)
-    }
+    if inspect.isclass(target):
+        state: dict[str, Any] = {}
+    elif inspect.isfunction(target):
+        # Two closures of one factory share their code; what tells them apart is what they captured.
+        cells = zip(target.__code__.co_freevars, target.__closure__ or (), strict=True)
+        state = {name: _cell_value(cell) for name, cell in sorted(cells) if isinstance(_cell_value(cell), scalars)}
+    else:
+        state = {k: v for k, v in sorted(getattr(target, "__dict__", {}).items()) if isinstance(v, scalars)}
     return {"name": _rule_label(target), "code": code, "state": state}
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled (a name the closure refers to before its assignment)
+        return _EMPTY_CELL
+
+
+_EMPTY_CELL = object()
 
 
 _SAID_F: set[tuple[str, int, int]] = set()

@@ -753,6 +753,17 @@ def test_a_checkpoint_tells_a_changed_user_rule_from_the_same_one() -> None:
     assert rule_identity(median) != rule_identity(mean)  # both named <lambda>
     assert rule_identity(Scaled)["name"].endswith("Scaled") and rule_identity(Scaled)["code"]
 
+    def clipped_mean(clip: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        def rule(updates: torch.Tensor) -> torch.Tensor:
+            return updates.clamp(-clip, clip).mean(dim=0)
+        return rule
+
+    # Two closures of one factory share their code: the values they captured tell them apart.
+    assert rule_identity(clipped_mean(1.0)) == rule_identity(clipped_mean(1.0))
+    assert rule_identity(clipped_mean(1.0)) != rule_identity(clipped_mean(2.0))
+    assert rule_identity(clipped_mean(1.0))["state"] == {"clip": 1.0}
+    assert rule_identity(median)["state"] == {}  # a function that captures nothing records what it did
+
 
 def test_a_resume_past_num_rounds_says_that_nothing_is_trained(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
