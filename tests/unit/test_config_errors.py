@@ -342,6 +342,9 @@ def test_a_refused_config_leaves_a_run_folder_with_more_in_it(
         ("winsorize+nnm", "a pipeline is pre-aggregators and then exactly one rule; 'winsorize+nnm' names no rule"),
         ("dnc+nnm", "the rule goes last, after its pre-aggregators: 'nnm+dnc'"),  # DnC: a rule where nothing else is
         ("dnc+dnc+nnm", "the rule goes last, after its pre-aggregators: 'dnc+nnm+dnc'"),  # the filter DnC stays
+        ("nnm+nnm+krum", "names 'nnm' more than once; each stage once, e.g. 'nnm+krum'"),
+        ("winsorize+nnm+winsorize+trimmed_mean",
+         "names 'winsorize' more than once; each stage once, e.g. 'winsorize+nnm+trimmed_mean'"),
     ],
 )
 def test_a_pipeline_out_of_order_says_the_order(
@@ -352,6 +355,7 @@ def test_a_pipeline_out_of_order_says_the_order(
     with pytest.raises(ValueError, match=re.escape(f"aggregator {name!r}: {says}")):
         aggregators.build(name, f=1)
     assert aggregators.pipeline_order_hint("dnc+trimmed_mean") is None  # DnC: a rule and a pre-aggregator
+    assert aggregators.pipeline_order_hint("dnc+nnm+dnc") is None  # ... so both in one pipeline
 
 
 @pytest.mark.parametrize(
