@@ -33,7 +33,8 @@ Incremental mode (``full_every=K > 1``) writes a full checkpoint every K saves a
 A delta restores its tensors bit for bit from its parent chain; if any link fails verification, the delta
 is invalid and :meth:`CheckpointStore.latest_valid` falls back to the newest checkpoint whose chain verifies
 (the last full one plus the valid deltas before the broken link). Pruning keeps the ancestors of every kept
-checkpoint.
+checkpoint and, with ``keep`` > 1, a chain that does not rest on the newest full checkpoint: a corrupt full
+checkpoint still leaves one to fall back to.
 
 :class:`fedrobust.checkpoint_mirror.MirroredStore` writes locally first and uploads every committed
 checkpoint's files, unchanged, to a remote store on a background thread, retrying with bounded backoff; the
@@ -329,7 +330,9 @@ class CheckpointStore:
         Created if missing.
     keep : int, default 3
         How many of the newest checkpoints to keep; older ones are deleted after a new one is committed,
-        except the checkpoints a kept delta is built on.
+        except the checkpoints a kept delta is built on and, when ``keep`` > 1 and every kept checkpoint
+        rests on one full checkpoint, the newest one before it with its chain (a fallback that does not
+        depend on that full checkpoint).
     storage_options : Mapping[str, Any], optional
         Passed to the fsspec filesystem, e.g. for S3 ``{"key": ..., "secret": ...,
         "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}``. Credentials and endpoint may also
@@ -588,7 +591,14 @@ class CheckpointStore:
         committed = [(r, name) for r, name in older if self._fs.exists(self._join(name, MANIFEST_FILE))]
         # Uncommitted directories (interrupted writes on non-local filesystems) never count as kept.
         kept = [r for r, _ in sorted(committed, reverse=True)[: self.keep - 1]] + [newest]
-        needed = self._with_ancestors(kept, {r for r, _ in committed})
+        existing = {r for r, _ in committed}
+        needed = self._with_ancestors(kept, existing)
+        if self.keep > 1 and sum(self._parent_of(r) is None for r in needed) < 2:
+            # Every kept checkpoint rests on one full checkpoint: were it corrupt, nothing would restore.
+            # The newest chain before it stays too, so that keep > 1 leaves a checkpoint to fall back to.
+            before = [r for r in existing if r < min(needed)]
+            if before:
+                needed |= self._with_ancestors([max(before)], existing)
         for old_round, old_name in older:
             if old_round not in needed:
                 logger.debug("pruning checkpoint of round %d", old_round)
@@ -603,15 +613,21 @@ class CheckpointStore:
             if round_ in needed:
                 continue
             needed.add(round_)
-            try:
-                manifest = json.loads(self._fs.cat_file(self._join(_round_name(round_), MANIFEST_FILE)))
-                parent = manifest.get("parent") if manifest.get("kind") == "delta" else None
-            except (OSError, ValueError, AttributeError):
-                continue  # unreadable: it is no valid delta, so it needs no parent
-            parent_round = parent.get("round") if isinstance(parent, dict) else None
-            if isinstance(parent_round, int) and parent_round < round_ and parent_round in existing:
+            parent_round = self._parent_of(round_)
+            if parent_round is not None and parent_round < round_ and parent_round in existing:
                 todo.append(parent_round)
         return needed
+
+    def _parent_of(self, round_: int) -> int | None:
+        """The round a delta checkpoint is built on; None for a full one (or an unreadable manifest: it is
+        no valid delta, so it needs no parent)."""
+        try:
+            manifest = json.loads(self._fs.cat_file(self._join(_round_name(round_), MANIFEST_FILE)))
+            parent = manifest.get("parent") if manifest.get("kind") == "delta" else None
+        except (OSError, ValueError, AttributeError):
+            return None
+        parent_round = parent.get("round") if isinstance(parent, dict) else None
+        return parent_round if isinstance(parent_round, int) else None
 
     def _remove(self, name: str) -> None:
         path = self._join(name)

@@ -182,7 +182,8 @@ class CheckpointConfig:
     # fsspec URL (e.g. s3://bucket/run) the local checkpoints in `dir` are uploaded to in the background;
     # a resume takes the newest valid checkpoint of either place. Empty: no mirror.
     mirror: str = ""
-    # Incremental checkpoints: a full one every `full_every` saves, deltas in between; 1: all full.
+    # Incremental checkpoints: a full one every `full_every` saves, deltas in between; 1: all full. Each kept
+    # delta keeps its chain, and with keep > 1 the chain before the newest full one stays as a fallback.
     full_every: int = 1
     # Server MTBF in seconds for every_rounds=auto; 0: estimated from the restarts in the checkpoint history.
     mtbf: float = 0.0

@@ -189,3 +189,27 @@ def test_full_mode_writes_no_delta_files(tmp_path) -> None:
         store.save(round_, _state(round_), {})
     names = {name for _, _, files in os.walk(tmp_path / "c") for name in files}
     assert names == {TENSORS_FILE, "meta.json", MANIFEST_FILE}
+
+
+def test_a_corrupt_full_checkpoint_leaves_a_chain_to_fall_back_to(url: str) -> None:
+    """keep=2 with deltas: the two newest (a full one and its delta) rest on one full checkpoint, so the
+    chain before it is kept too; corrupting that full checkpoint falls back to the newest round before it."""
+    store = CheckpointStore(url, keep=2, full_every=3)
+    for round_ in range(1, 6):  # full 1, deltas 2 and 3, full 4, delta 5
+        store.save(round_, _state(round_), {})
+    assert _kinds(store) == {1: "full", 2: "delta", 3: "delta", 4: "full", 5: "delta"}
+    fs, root = fsspec.core.url_to_fs(url)
+    tensors = f"{root}/round-000004/{TENSORS_FILE}"
+    data = bytearray(fs.cat_file(tensors))
+    data[-1] ^= 0xFF
+    fs.pipe_file(tensors, bytes(data))
+    checkpoint = CheckpointStore(url).latest_valid()
+    assert checkpoint is not None and checkpoint.round == 3
+    _assert_bit_identical(checkpoint.tensors, _state(3))
+    for round_ in range(6, 9):  # full 7 makes 4's chain the fallback, and 1-3 go
+        store.save(round_, _state(round_), {})
+    assert store.rounds() == [4, 5, 6, 7, 8]
+    one = CheckpointStore(url + "-one", keep=1, full_every=3)  # keep=1 asks for no fallback
+    for round_ in range(1, 6):
+        one.save(round_, _state(round_), {})
+    assert one.rounds() == [4, 5]
