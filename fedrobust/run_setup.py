@@ -23,6 +23,7 @@ from fedrobust.config import (
     RESUME_MODES,
     CheckpointConfig,
     ConfigError,
+    LivenessConfig,
     RunConfig,
     format_value,
 )
@@ -364,6 +365,22 @@ def _check_client(cfg: RunConfig, problems: list[str], local_devices: bool) -> N
             )
 
 
+def liveness_problems(live: LivenessConfig) -> list[str]:
+    """One ``liveness.<field>=<value>: <reason>`` line for each liveness setting out of its range."""
+    problems: list[str] = []
+    _at_least(problems, "liveness.suspect_after", live.suspect_after, 1)
+    if live.suspect_after >= 1 and live.dead_after < live.suspect_after:
+        _problem(problems, "liveness.dead_after", live.dead_after,
+                 f"must be >= liveness.suspect_after ({live.suspect_after})")
+    _at_least(problems, "liveness.backoff_rounds", live.backoff_rounds, 1)
+    if live.backoff_rounds >= 1 and live.max_backoff < live.backoff_rounds:
+        _problem(problems, "liveness.max_backoff", live.max_backoff,
+                 f"must be >= liveness.backoff_rounds ({live.backoff_rounds})")
+    _at_least(problems, "liveness.quarantine_after", live.quarantine_after, 0, " (0: never quarantine)")
+    _at_least(problems, "liveness.quarantine_rounds", live.quarantine_rounds, 1)
+    return problems
+
+
 def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
     """Reply validation, deadlines and retries, liveness and the divergence guard."""
     _at_least(problems, "validation.max_update_norm", cfg.validation.max_update_norm, 0, " (0: no bound)")
@@ -373,25 +390,7 @@ def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "fault.grace_after_quorum", cfg.fault.grace_after_quorum, 0, " (0: off)")
     _at_least(problems, "fault.max_round_retries", cfg.fault.max_round_retries, 0)
     _at_least(problems, "fault.wait_for_nodes", cfg.fault.wait_for_nodes, 0)
-    live = cfg.liveness
-    _at_least(problems, "liveness.suspect_after", live.suspect_after, 1)
-    if live.suspect_after >= 1 and live.dead_after < live.suspect_after:
-        _problem(
-            problems,
-            "liveness.dead_after",
-            live.dead_after,
-            f"must be >= liveness.suspect_after ({live.suspect_after})",
-        )
-    _at_least(problems, "liveness.backoff_rounds", live.backoff_rounds, 1)
-    if live.backoff_rounds >= 1 and live.max_backoff < live.backoff_rounds:
-        _problem(
-            problems,
-            "liveness.max_backoff",
-            live.max_backoff,
-            f"must be >= liveness.backoff_rounds ({live.backoff_rounds})",
-        )
-    _at_least(problems, "liveness.quarantine_after", live.quarantine_after, 0, " (0: never quarantine)")
-    _at_least(problems, "liveness.quarantine_rounds", live.quarantine_rounds, 1)
+    problems += liveness_problems(cfg.liveness)
     factor = cfg.guard.divergence_factor
     if not (factor == 0 or factor > 1):
         _problem(problems, "guard.divergence_factor", factor, "must be > 1, or 0 to switch the loss check off")

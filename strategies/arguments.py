@@ -18,6 +18,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, LivenessConfig
+from fedrobust.run_setup import liveness_problems
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import SCHEDULES as LR_SCHEDULES
@@ -117,8 +118,13 @@ def _check_types(a: SimpleNamespace) -> None:
               f"{name} must be a mapping of names to values, got {table!r} ({type(table).__name__})")
     check(a.liveness is None or isinstance(a.liveness, LivenessConfig | Mapping),
           f"liveness must be a LivenessConfig, a mapping of its fields or None, got {a.liveness!r}")
-    if isinstance(a.liveness, Mapping):
-        check_keys("liveness", a.liveness, [f.name for f in dataclasses.fields(LivenessConfig)])
+    if a.liveness is not None:
+        live = a.liveness if isinstance(a.liveness, LivenessConfig) else None
+        if live is None:
+            check_keys("liveness", a.liveness, [f.name for f in dataclasses.fields(LivenessConfig)])
+            live = LivenessConfig(**{k: as_integer(f"liveness {k!r}", v) for k, v in a.liveness.items()})
+        problems = liveness_problems(live)
+        check(not problems, "; ".join(problems))
     for name in _AT_LEAST_ONE + _AT_LEAST_ZERO:
         setattr(a, name, as_integer(name, getattr(a, name)))
 

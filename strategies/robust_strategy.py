@@ -1031,6 +1031,11 @@ class RobustStrategy(Strategy):
         check(
             isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}"
         )
+        check(is_number(timeout) and 0 < float(timeout) < math.inf,
+              f"timeout must be a number of seconds > 0 and finite, got {timeout!r} ({type(timeout).__name__})")
+        check(evaluate_fn is None or callable(evaluate_fn),
+              f"evaluate_fn must be a function (server_round, arrays) -> MetricRecord or None, got {evaluate_fn!r}")
+        _check_initial_arrays(initial_arrays)
         self._pins_checked = False
         self._said_more_faulty = self._said_uncounted = False  # said once a run
         # What this run's nodes report; a reused strategy's earlier nodes (other ids, other counts) do not count.
@@ -1277,3 +1282,27 @@ def _train_named(aggregated: Mapping[str, Any]) -> dict[str, float]:
              if not k.startswith("train_") and (x := _finite(v)) is not None}
     named.update({k: x for k, v in aggregated.items() if k.startswith("train_") and (x := _finite(v)) is not None})
     return dict(sorted(named.items()))
+
+
+def _check_initial_arrays(initial_arrays: object) -> None:
+    """Refuse, before any node trains, initial arrays the round loop cannot start from: not an ArrayRecord
+    (a state_dict given as it is, the commonest slip), nothing to train, or a non-finite value (every
+    reply trained from it would be rejected as non-finite, and its nodes quarantined)."""
+    if not isinstance(initial_arrays, ArrayRecord):
+        raise TypeError(
+            f"initial_arrays must be a flwr.app.ArrayRecord, e.g. ArrayRecord(model.state_dict()), got "
+            f"{type(initial_arrays).__name__}"
+        )
+    floating = {k: t for k, t in initial_arrays.to_torch_state_dict().items() if t.is_floating_point()}
+    if not floating:
+        raise ValueError(
+            "initial_arrays has no floating-point array to train"
+            + (f" (its arrays: {', '.join(list(initial_arrays)[:5])})" if len(initial_arrays) else " (it is empty)")
+        )
+    bad = [k for k, t in floating.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(
+            f"initial_arrays holds NaN or infinite values in {len(bad)} array(s) ({', '.join(bad[:5])}): every "
+            "update trained from it would be rejected; start from a finite model"
+        )
+

@@ -61,6 +61,7 @@ class RoundLoop:
         self.train_config = train_config
         self.evaluate_config = evaluate_config
         self.evaluate_fn = evaluate_fn
+        self._said_no_loss = False  # the warning that evaluate_fn gives no loss for the divergence guard, once
         s = strategy
         # The train config reaches every client's training, so a checkpoint must agree with it too.
         settings = {**s.settings, "train_config": dict(train_config)}
@@ -470,6 +471,13 @@ class RoundLoop:
             metrics = self.evaluate_fn(server_round, arrays)
             if metrics is not None:
                 out.update({k: float(v) for k, v in metrics.items() if isinstance(v, int | float)})
+                if "loss" not in out and s.divergence_factor > 0 and not self._said_no_loss:
+                    self._said_no_loss = True
+                    log.warning(
+                        "evaluate_fn returned no 'loss' (%s): the divergence guard rolls back only a non-finite "
+                        "model; return the loss for its loss test (divergence_factor=%g)",
+                        ", ".join(sorted(out)) or "no numbers", s.divergence_factor,
+                    )
         messages = list(s.configure_evaluate(server_round, arrays, ConfigRecord(dict(self.evaluate_config)), self.grid))
         self._evaluation_incomplete = False
         if messages:

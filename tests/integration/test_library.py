@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch import nn
 
 from fedrobust import AggregationError, NoNodesError, QuorumError, RobustStrategy
 from fedrobust.checkpoint import CheckpointMismatchError
+from fedrobust.config import LivenessConfig
 from tests.support.simulation import ray_backend
 
 NUM_NODES = 8
@@ -1271,3 +1273,64 @@ def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCapt
     assert len(said) == 1 and said[0].endswith("their float64 precision is not kept")
     final = result.arrays.to_torch_state_dict()
     assert all(t.dtype == torch.float64 and torch.equal(t, t.float().double()) for t in final.values())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "says"),
+    [
+        ({"initial_arrays": "state_dict"}, TypeError,
+         "initial_arrays must be a flwr.app.ArrayRecord, e.g. ArrayRecord(model.state_dict()), got OrderedDict"),
+        ({"initial_arrays": ArrayRecord()}, ValueError, "initial_arrays has no floating-point array to train (it is"),
+        ({"initial_arrays": ArrayRecord({"steps": torch.arange(3)})}, ValueError,
+         "initial_arrays has no floating-point array to train (its arrays: steps)"),
+        ({"initial_arrays": "nan"}, ValueError, "initial_arrays holds NaN or infinite values in 1 array(s) (0.weight)"),
+        ({"timeout": -1}, ValueError, "timeout must be a number of seconds > 0 and finite, got -1 (int)"),
+        ({"timeout": "10"}, ValueError, "timeout must be a number of seconds > 0 and finite, got '10' (str)"),
+        ({"evaluate_fn": "accuracy"}, ValueError, "evaluate_fn must be a function (server_round, arrays) ->"),
+    ],
+)
+def test_start_refuses_what_it_cannot_run_from_before_any_node_trains(
+    kwargs: dict[str, Any], error: type[Exception], says: str
+) -> None:
+    """A state_dict passed as it is, an empty or integer-only record, a NaN weight, a timeout that is no number
+    of seconds, an evaluate_fn that is no function: named at once, not as an AttributeError, a failed round or
+    the whole federation quarantined for non-finite replies."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    state = make_net().state_dict()
+    if kwargs.get("initial_arrays") == "state_dict":
+        kwargs["initial_arrays"] = state
+    elif kwargs.get("initial_arrays") == "nan":
+        state["0.weight"][0, 0] = float("nan")
+        kwargs["initial_arrays"] = ArrayRecord(state)
+    trained: list[int] = []
+    grid = InProcessGrid(_echo_app(lambda p: trained.append(p) or {"num-examples": 10}), 3, seed=0)
+    strategy = RobustStrategy(aggregator="median", progress=False)
+    with _server_identity(grid.run.run_id), pytest.raises(error) as refused:
+        strategy.start(grid=grid, **{"initial_arrays": ArrayRecord(make_net().state_dict()), "num_rounds": 1, **kwargs})
+    assert says in str(refused.value)
+    assert trained == []
+
+
+def test_liveness_settings_out_of_range_are_refused_as_in_the_run_config() -> None:
+    with pytest.raises(ValueError, match=re.escape("liveness.quarantine_after=-3: must be >= 0 (0: never quarantine)")):
+        RobustStrategy(liveness={"quarantine_after": -3})
+    with pytest.raises(ValueError, match=re.escape("liveness.dead_after=0: must be >= liveness.suspect_after (1)")):
+        RobustStrategy(liveness=LivenessConfig(dead_after=0))
+    with pytest.raises(ValueError, match=re.escape("liveness 'suspect_after' must be an integer, got '2' (str)")):
+        RobustStrategy(liveness={"suspect_after": "2"})
+
+
+def test_an_evaluate_fn_without_a_loss_is_said_to_leave_the_guard_without_its_loss_test(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
+    strategy = RobustStrategy(aggregator="median", progress=False)
+    with _server_identity(grid.run.run_id), caplog.at_level("WARNING"):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=2,
+                       evaluate_fn=lambda _, __: MetricRecord({"acc": 0.5}))
+    said = [r.getMessage() for r in caplog.records if "returned no 'loss'" in r.getMessage()]
+    assert said == ["evaluate_fn returned no 'loss' (acc): the divergence guard rolls back only a non-finite model; "
+                    "return the loss for its loss test (divergence_factor=10)"]  # once a run
