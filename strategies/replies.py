@@ -105,7 +105,11 @@ def parse_reply(content: RecordDict, *, arrayrecord_key: str, weighted_by_key: s
         return Rejection(MALFORMED_REPLY, f"no MetricRecord {protocol.METRICS!r}: {list(content)}")
     num_examples = metrics.get(weighted_by_key)
     if isinstance(num_examples, bool) or not isinstance(num_examples, int | float):
-        return Rejection(MALFORMED_REPLY, f"{weighted_by_key!r} missing or not a number")
+        # The keys it has: a weighted_by_key set to a name the ClientApp does not send shows at once.
+        keys = sorted(metrics)
+        has = ", ".join(map(repr, keys[:6])) + (", ..." if len(keys) > 6 else "") if keys else "none"
+        return Rejection(MALFORMED_REPLY, f"{weighted_by_key!r} (weighted_by_key) missing or not a number; "
+                                          f"its metrics: {has}")
     try:
         arrays = array_views(record)  # checks each .npy header against its Array's dtype and shape
     except ValueError as err:

@@ -772,11 +772,10 @@ class RobustStrategy(Strategy):
                 f"{len(accepted)} valid replies, {rule.label} with f={f_used}{lowered} needs at least {need}"
             )
             if outcome.sampled < need:  # no retry can help while so few nodes are there to ask
-                fits = self._largest_f_for(outcome.sampled, f_used)
                 outcome.why_not_aggregated += (
                     f"; only {outcome.sampled} nodes could be asked: connect more (a local simulation: its "
-                    f"federation's num-supernodes; a deployment: see flwr supernode ls) or lower num_byzantine"
-                    + (f" (with {outcome.sampled} nodes, at most {fits})" if fits is not None else "")
+                    f"federation's num-supernodes; a deployment: see flwr supernode ls) or "
+                    + self.too_few_advice(outcome.sampled, f_used)
                 )
             outcome.why_not_aggregated += _rejections_text(outcome, self.num_byzantine)
             return outcome
@@ -893,6 +892,16 @@ class RobustStrategy(Strategy):
                 return self.aggregator  # a user-built aggregator keeps its own f
             self._rules[f] = aggregators.build(rule, f=f, pre=pre, **params)
         return self._rules[f]
+
+    def too_few_advice(self, n: int, f: int) -> str:
+        """What to change when the pipeline with ``f`` needs more than ``n`` rows: the rule's own parameters
+        where they are what asks for more (trimmed_mean's ``trim``), else num_byzantine, with the largest f
+        that ``n`` rows take."""
+        rule, pre, params = self._rule_spec
+        if isinstance(rule, str) and params and aggregators.build(rule, f=f, pre=pre).min_n() <= n:
+            return f"lower the rule's parameters (aggregator_params={params}: with f={f} they need more than {n})"
+        fits = self._largest_f_for(n, f)
+        return "lower num_byzantine" + (f" (with {n} nodes, at most {fits})" if fits is not None else "")
 
     def _largest_f_for(self, n: int, below: int) -> int | None:
         """The largest f under ``below`` whose pipeline takes ``n`` rows; None for a user-built aggregator or
@@ -1249,7 +1258,7 @@ def _trimmed_weighted(values: list[tuple[float, float]], f: int) -> float:
 
 
 def _rejections_text(outcome: RoundOutcome, tolerated: int, shown: int = 3) -> str:
-    """``; rejected 5: 5x malformed_reply ('num-examples' missing or not a number)``: the most common reasons,
+    """``; rejected 5: 5x non_finite (...)``: the most common reasons,
     each with the detail of its first reply, or nothing when no reply was rejected. More than ``tolerated``
     (num_byzantine) replies rejected for one reason are said to look like a bug, not an attack."""
     if not outcome.rejected_nodes:

@@ -336,12 +336,10 @@ class RoundLoop:
         rule = s._rule_for(s.num_byzantine)
         if connected >= rule.min_n():
             return
-        fits = s._largest_f_for(connected, s.num_byzantine)
         log.warning(
             "%d nodes connected, but %s with f=%d needs at least %d valid replies: the first round stops the run "
-            "unless more nodes join or validation rejects replies; connect more nodes or lower num_byzantine%s",
-            connected, rule.label, s.num_byzantine, rule.min_n(),
-            f" (with {connected} nodes, at most {fits})" if fits is not None else "",
+            "unless more nodes join or validation rejects replies; connect more nodes or %s",
+            connected, rule.label, s.num_byzantine, rule.min_n(), s.too_few_advice(connected, s.num_byzantine),
         )
 
     def _train_round(self, arrays: ArrayRecord, server_round: int) -> tuple[dict[str, Any], ArrayRecord]:

@@ -272,6 +272,14 @@ def test_too_few_nodes_for_the_rule_stops_with_what_to_do(caplog: pytest.LogCapt
     caplog.clear()
     _start_on_honest_nodes(RobustStrategy(aggregator="trimmed_mean", num_byzantine=2, progress=False), 5)
     assert not [r for r in caplog.records if "nodes connected, but" in r.getMessage()]
+    # Where the rule's own parameters ask for more (trim=10 cuts 20 values), they are what to lower, not f.
+    strategy = RobustStrategy(aggregator="trimmed_mean", aggregator_params={"trim": 10}, num_byzantine=1,
+                              progress=False)
+    advice = "lower the rule's parameters (aggregator_params={'trim': 10}: with f=1 they need more than 5)"
+    caplog.clear()
+    with caplog.at_level(logging.INFO), pytest.raises(QuorumError, match=re.escape(advice + ")")):
+        _start_on_honest_nodes(strategy, 5)
+    assert any(r.getMessage().endswith("connect more nodes or " + advice) for r in caplog.records), caplog.text
 
 
 def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so_at_once() -> None:
@@ -391,8 +399,9 @@ def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplo
     with _server_identity(grid.run.run_id), pytest.raises(
         QuorumError,
         match=r"round 1: not aggregated after 2 attempts \(0 valid replies, median with f=0 \(num_byzantine=1 "
-        r"less 3 proven faulty\) needs at least 1; rejected 3: 3x malformed_reply \('num-examples' missing or not "
-        r"a number\) \(more than num_byzantine=1 nodes failing alike points at the ClientApp's replies",
+        r"less 3 proven faulty\) needs at least 1; rejected 3: 3x malformed_reply \('num-examples' \(weighted_by_key\) "
+        r"missing or not a number; its metrics: 'train_loss'\) \(more than num_byzantine=1 nodes failing alike points "
+        r"at the ClientApp's replies",
     ):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     warnings = [r.getMessage() for r in caplog.records if "more than num_byzantine" in r.getMessage()]
@@ -1334,3 +1343,18 @@ def test_an_evaluate_fn_without_a_loss_is_said_to_leave_the_guard_without_its_lo
     said = [r.getMessage() for r in caplog.records if "returned no 'loss'" in r.getMessage()]
     assert said == ["evaluate_fn returned no 'loss' (acc): the divergence guard rolls back only a non-finite model; "
                     "return the loss for its loss test (divergence_factor=10)"]  # once a run
+
+
+def test_a_weighted_by_key_the_clients_do_not_send_is_named_with_the_keys_they_do() -> None:
+    """weighted_by_key="num_examples" (Flower's key is "num-examples"): every reply is rejected, and the
+    run's error names the setting and the metrics the replies carry, so the typo shows."""
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, weighted_by_key="num_examples",
+                              max_round_retries=0, progress=False)
+    with pytest.raises(QuorumError, match=re.escape(
+            "5x malformed_reply ('num_examples' (weighted_by_key) missing or not a number; its metrics: "
+            "'num-examples')")):
+        from experiments.inprocess import InProcessGrid, _server_identity
+
+        grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 5, seed=0)
+        with _server_identity(grid.run.run_id):
+            strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
