@@ -24,6 +24,13 @@ POLL_SECONDS = 0.05
 # How long one pull is waited for before the next starts beside it (_Pulls); a slow pull is not cut
 # short, its replies count when it returns.
 SLOW_PULL_SECONDS = 5.0
+# At most this many held pulls at once: each is a request the SuperLink serves beside the others (its state
+# database takes one writer at a time), and a busy SuperLink only gets busier with more.
+MAX_HELD_PULLS = 2
+# A pull that failed (a SuperLink's 500, a dropped connection) is tried again after this, doubling with each
+# failure in a row up to the maximum: the replies stay on the SuperLink, and the round's deadline still holds.
+PULL_RETRY_SECONDS = 0.5
+MAX_PULL_RETRY_SECONDS = 5.0
 
 
 def push(grid: Grid, messages: Sequence[Message]) -> dict[str, int]:
@@ -155,7 +162,10 @@ class _Pulls:
     holding call's result has been read, and the id is not asked for again meanwhile. When the round
     ends, held calls get up to :data:`SLOW_PULL_SECONDS` more (:meth:`finish`); replies a call took
     with a stuck one are lost with it. A fast call, the normal case and always the case in simulation,
-    is waited for in full: replies arrive in the same order and rounds as with a direct call.
+    is waited for in full: replies arrive in the same order and rounds as with a direct call. At most
+    :data:`MAX_HELD_PULLS` calls are held at once. A call that fails in the transport (a SuperLink's 500
+    while its state database is locked, a dropped connection) is tried again after a backoff until the
+    round's deadline, as if its replies had not come in yet; any other error ends the round.
     """
 
     def __init__(self, grid: Grid) -> None:
@@ -163,17 +173,22 @@ class _Pulls:
         self._done: queue.Queue[tuple[threading.Thread, list[Message], BaseException | None]] = queue.Queue()
         self._held: dict[threading.Thread, frozenset[str]] = {}  # calls whose result has not been read yet
         self._taken_elsewhere: set[str] = set()  # ids answered MESSAGE_UNAVAILABLE while a held call has them
+        self._failures = 0  # pulls failed in a row
+        self._retry_at = 0.0  # no pull starts before this (monotonic seconds) after a failure
 
     def pull(self, pending: Iterable[str]) -> list[Message]:
         """The replies among ``pending`` that came in (one may come twice: keep the first)."""
         ids = frozenset(pending) - self._taken_elsewhere
-        if ids:
+        if ids and len(self._held) < MAX_HELD_PULLS and time.monotonic() >= self._retry_at:
             call = self._start(ids)
             call.join(SLOW_PULL_SECONDS)
             if call.is_alive():
-                log.warning("pulling %d replies has taken more than %.0f s (a large model on a slow link, or a "
-                            "reply whose upload does not complete): pulling the others meanwhile", len(ids),
-                            SLOW_PULL_SECONDS)
+                global _said_slow
+                log.log(logging.INFO if _said_slow else logging.WARNING,
+                        "pulling %d replies has taken more than %.0f s (a busy SuperLink, a large model on a slow "
+                        "link, or a reply whose upload does not complete): asking again beside it", len(ids),
+                        SLOW_PULL_SECONDS)
+                _said_slow = True
                 self._held[call] = ids
         return self._read()
 
@@ -191,9 +206,12 @@ class _Pulls:
             except queue.Empty:
                 break
         for source, _, error in results:
-            if error is not None:
-                raise error
             self._held.pop(source, None)  # its result is in: it holds nothing any more
+            if error is not None:
+                self._failed(error)
+            elif self._failures:
+                log.info("pulling replies works again after %d failed tries", self._failures)
+                self._failures = 0
         held = {mid for ids in self._held.values() for mid in ids}
         self._taken_elsewhere &= held
         pulled = [m for _, messages, _ in results for m in messages]
@@ -205,6 +223,18 @@ class _Pulls:
             m for m in unavailable if m.metadata.reply_to_message_id not in held
         ]
 
+    def _failed(self, error: BaseException) -> None:
+        """A failed pull: tried again after a backoff where the failure is the transport's (the replies
+        are still on the SuperLink); any other error is raised in the round's thread."""
+        if not isinstance(error, _transient_errors()):
+            raise error
+        self._failures += 1
+        wait = min(MAX_PULL_RETRY_SECONDS, PULL_RETRY_SECONDS * 2 ** (self._failures - 1))
+        self._retry_at = time.monotonic() + wait
+        log.log(logging.WARNING if self._failures == 1 else logging.DEBUG,
+                "pulling replies failed (%s: %s): trying again in %.1f s, until the round's deadline",
+                type(error).__name__, " ".join(str(error).split())[:200], wait)
+
     def _start(self, ids: frozenset[str]) -> threading.Thread:
         def call() -> None:
             try:
@@ -215,6 +245,19 @@ class _Pulls:
         thread = threading.Thread(target=call, name="fedrobust-pull", daemon=True)
         thread.start()
         return thread
+
+
+_said_slow = False  # the slow pull's warning, once a process (a busy SuperLink says it every round)
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    """What a pull raises when the transport fails, not the code: a connection or timeout error, and Flower's
+    HTTP grid's httpx errors (a SuperLink's 500, e.g. its state database locked)."""
+    try:
+        import httpx
+    except ImportError:  # a Flower without the HTTP grid
+        return (OSError, TimeoutError)
+    return (OSError, TimeoutError, httpx.HTTPError)
 
 
 def _unavailable(message: Message) -> bool:

@@ -303,10 +303,13 @@ class RoundLoop:
             if time.monotonic() >= deadline and connected >= need:
                 raise NoNodesError(
                     f"{connected} nodes connected, but only {have} of the {need} needed (min_available_nodes) "
-                    f"answered the partition query within {s.wait_for_nodes:g} s; nothing was trained. "
-                    "discover_partitions=True asks each node's ClientApp for its partition-id with a query "
-                    "message: give the ClientApp a query handler, e.g. app.query()(fedrobust.partition_query) "
-                    "(fedrobust's own ClientApp has one), or pass discover_partitions=False"
+                    f"answered the partition query within {s.wait_for_nodes:g} s; nothing was trained. Either "
+                    "the nodes are busy: a SuperNode takes one message at a time, and after a server crash it "
+                    "first works through the killed run's messages (minutes under load): run again, or wait "
+                    "longer (wait_for_nodes; fault.wait_for_nodes in fedrobust's run config). Or their ClientApp "
+                    "has no query handler: discover_partitions=True asks each node for its partition-id with a "
+                    "query message; give it one, e.g. app.query()(fedrobust.partition_query) (fedrobust's own "
+                    "ClientApp has one), or pass discover_partitions=False"
                 )
             if time.monotonic() >= deadline:
                 raise NoNodesError(

@@ -295,6 +295,32 @@ def test_partition_discovery_with_a_clientapp_that_has_no_query_handler_says_so_
     assert time.monotonic() - started < 30
 
 
+def test_nodes_that_never_answer_the_partition_query_are_said_to_be_busy_or_without_a_handler() -> None:
+    """After a server crash the SuperNodes first work through the killed run's messages: connected, they do
+    not answer the new run's query in time. The error says so, and what to do, before the handler advice."""
+    from flwr.app import MessageType
+
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    class Busy(InProcessGrid):
+        def push_messages(self, messages: Any) -> list[str]:
+            messages = list(messages)
+            ids = list(super().push_messages(messages))
+            for message in messages:  # taken, never answered
+                if message.metadata.message_type == MessageType.QUERY:
+                    self._replies.pop(message.metadata.message_id)
+            return ids
+
+    grid = Busy(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
+    strategy = RobustStrategy(aggregator="median", discover_partitions=True, wait_for_nodes=0.5, progress=False)
+    with _server_identity(grid.run.run_id), pytest.raises(NoNodesError) as stopped:
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    assert str(stopped.value).startswith(
+        "3 nodes connected, but only 0 of the 2 needed (min_available_nodes) answered the partition query within "
+        "0.5 s; nothing was trained. Either the nodes are busy: a SuperNode takes one message at a time, and after "
+        "a server crash it first works through the killed run's messages"), stopped.value
+
+
 def _discovering_run(
     node_configs: list[dict[str, int]], node_seed: int, checkpoint_dir: Path | None = None, num_rounds: int = 1
 ) -> list[int]:

@@ -845,3 +845,77 @@ def test_a_client_errors_reason_is_its_root_cause_in_one_line() -> None:
     assert error_reason("the node went away") == "the node went away"
     assert error_reason("") == error_reason("\n \n") == "unknown error"
     assert len(error_reason("x" * 1000, limit=50)) == 50
+
+
+class _FlakyNetwork(_Network):
+    """As :class:`_Network`, with pulls that raise ``errors`` first, one per call, and that count how many
+    calls run at once (each call takes ``seconds``)."""
+
+    def __init__(self, replies: dict[str, tuple[float, Message]], errors: list[BaseException],
+                 seconds: float = 0.0) -> None:
+        super().__init__(replies)
+        self._errors = errors
+        self._seconds = seconds
+        self._lock = threading.Lock()
+        self.running = self.most_at_once = self.calls = 0
+
+    def pull_messages(self, message_ids: list[str]) -> list[Message]:
+        with self._lock:
+            self.calls += 1
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+            error = self._errors.pop(0) if self._errors else None
+        try:
+            time.sleep(self._seconds)
+            if error is not None:
+                raise error
+            with self._lock:
+                return super().pull_messages(message_ids)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_pull_the_superlink_fails_is_tried_again_and_loses_no_reply(caplog: pytest.LogCaptureFixture) -> None:
+    """A SuperLink's 500 (its state database locked) or a dropped connection while pulling is the transport's
+    failure, not the round's: the pull is tried again after a backoff, every reply counts, and it is said once."""
+    import httpx
+
+    from fedrobust.strategies.collect import push_and_collect
+
+    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions, _ = _round_with_dead_nodes(strategy, {})
+    records = [ArrayRecord(s) for s in _locals(_global(), N, seed=5)]
+    replies_at = {m.metadata.message_id: (0.0, _reply(m, records[i], 20)) for i, m in enumerate(instructions)}
+    request = httpx.Request("POST", "https://superlink/v1/runtime/pull-messages")
+    locked = httpx.HTTPStatusError("Server error '500 Internal Server Error'", request=request,
+                                   response=httpx.Response(500, request=request))
+    network = _FlakyNetwork(replies_at, [locked, ConnectionResetError("reset by peer")])
+    with caplog.at_level("INFO"):
+        sent, replies = push_and_collect(network, instructions, timeout=10.0)  # type: ignore[arg-type]
+    assert sorted(sent[r.metadata.reply_to_message_id] for r in replies) == [100 + i for i in range(N)]
+    said = [r.getMessage() for r in caplog.records if "pulling replies" in r.getMessage()]
+    assert said[0].startswith("pulling replies failed (HTTPStatusError: Server error '500 Internal Server Error'): "
+                              "trying again in 0.5 s")
+    assert said[-1] == "pulling replies works again after 2 failed tries"
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    # An error of the code, not of the transport, ends the round as it is.
+    network = _FlakyNetwork(dict(replies_at), [TypeError("a bug")])
+    with pytest.raises(TypeError, match="a bug"):
+        push_and_collect(network, instructions, timeout=10.0)  # type: ignore[arg-type]
+
+
+def test_slow_pulls_are_held_two_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy SuperLink answers every pull slowly: the round asks again beside a held call, but with at most
+    two held calls running at once, not one more every SLOW_PULL_SECONDS."""
+    from fedrobust.strategies import collect
+
+    monkeypatch.setattr(collect, "SLOW_PULL_SECONDS", 0.05)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=F, min_train_nodes=N, progress=False)
+    instructions, _ = _round_with_dead_nodes(strategy, {})
+    records = [ArrayRecord(s) for s in _locals(_global(), N, seed=5)]
+    replies_at = {m.metadata.message_id: (0.2 * i, _reply(m, records[i], 20)) for i, m in enumerate(instructions)}
+    network = _FlakyNetwork(replies_at, [], seconds=0.4)
+    sent, replies = collect.push_and_collect(network, instructions, timeout=8.0)  # type: ignore[arg-type]
+    assert sorted(sent[r.metadata.reply_to_message_id] for r in replies) == [100 + i for i in range(N)]
+    assert network.calls > 3 and network.most_at_once == collect.MAX_HELD_PULLS
