@@ -367,6 +367,7 @@ class CheckpointStore:
         self.keep = keep
         # Why each checkpoint the last latest_valid() passed over failed verification ("<path>: <reason>").
         self.skipped: list[str] = []
+        self.failed: list[str] = []  # the round-* directories the last latest_valid() found not to verify
         self.full_every = full_every
         # A fresh filesystem object: fsspec's instance cache is keyed on the arguments only, so a
         # cached one would keep an endpoint or credentials read from an environment since changed.
@@ -689,7 +690,7 @@ class CheckpointStore:
             If the newest valid checkpoint's config hash differs from ``config_hash`` and not ``force``.
             Older checkpoints are not searched for a matching hash: they belong to the same history.
         """
-        self.skipped = []
+        self.skipped, self.failed = [], []
         for round_, name in sorted(self._list_round_dirs(), reverse=True):
             checkpoint = self._try_load(round_, name)
             if checkpoint is not None:
@@ -703,15 +704,19 @@ class CheckpointStore:
             where = self._display(self._join(name))
             logger.warning("skipping checkpoint %s: %s", where, exc)
             self.skipped.append(f"{where}: {exc}")
+            self.failed.append(name)
             return None
 
-    def set_aside(self) -> list[str]:
-        """Move every ``round-*`` directory to ``aside-<time>-round-*`` (never deleted); their new names.
+    def set_aside(self, names: Sequence[str] | None = None) -> list[str]:
+        """Move every ``round-*`` directory (or those of ``names``) to ``aside-<time>-round-*`` (never
+        deleted); their new names.
 
-        For a fresh start over checkpoints that are corrupt or belong to another run: they stay for
-        inspection, and no longer count as this store's checkpoints.
+        For a fresh start over checkpoints that are corrupt or belong to another run, or for the newer
+        checkpoints a resume found not to verify (:attr:`failed`): they stay for inspection, and no longer
+        count as this store's checkpoints (the next save of their round would delete them).
         """
-        names = [name for _, name in self._list_round_dirs()]
+        listed = [name for _, name in self._list_round_dirs()]
+        names = listed if names is None else [name for name in listed if name in set(names)]
         taken = set(self._fs.ls(self._root, detail=False)) if names else set()
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for count in itertools.count(1):  # a second fresh start within the same second: -2, -3, ...
@@ -729,6 +734,10 @@ class CheckpointStore:
         if moved and self._local:
             _fsync_dir(self._root)
         return moved
+
+    def set_aside_failed(self) -> list[str]:
+        """Set aside the checkpoints the last :meth:`latest_valid` found not to verify; their new names."""
+        return self.set_aside(self.failed) if self.failed else []
 
     def _load_verified(self, round_: int, name: str) -> Checkpoint:
         manifest, _, contents = self._read_verified(round_, name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -238,6 +238,7 @@ class MirroredStore:
         """
         candidates: list[tuple[int, int, CheckpointStore, str]] = []
         self.local.skipped, self.remote.skipped = [], []
+        self.local.failed, self.remote.failed = [], []
         for preference, store in ((1, self.local), (0, self.remote)):
             try:
                 listed = store._list_round_dirs()
@@ -262,9 +263,16 @@ class MirroredStore:
 
     def set_aside(self) -> list[str]:
         """:meth:`CheckpointStore.set_aside` in both places (an unreachable mirror is logged and left)."""
-        moved = self.local.set_aside()
+        return self._in_both(lambda store: store.set_aside())
+
+    def set_aside_failed(self) -> list[str]:
+        """:meth:`CheckpointStore.set_aside_failed` in both places."""
+        return self._in_both(lambda store: store.set_aside_failed())
+
+    def _in_both(self, move: Callable[[CheckpointStore], list[str]]) -> list[str]:
+        moved = move(self.local)
         try:
-            moved += self.remote.set_aside()
+            moved += move(self.remote)
         except Exception as exc:
             logger.warning("cannot set aside the checkpoints of the mirror %s: %s", self.remote.url, exc)
         return moved

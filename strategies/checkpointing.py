@@ -334,6 +334,12 @@ class RoundCheckpointer:
                 "aside, not deleted)."
             )
         restore_rng_state(groups.get("rng", {}), meta["rng"])
+        # The newer checkpoints that did not verify would be deleted by this run's saves of their rounds:
+        # they are kept for inspection instead, as a fresh start keeps what it finds.
+        moved = self.store.set_aside_failed()
+        if moved:
+            log.warning("moved %d checkpoint(s) that did not verify aside, kept for inspection: %s", len(moved),
+                        ", ".join(moved))
         self.last_round = checkpoint.round
         self.resumed_from = checkpoint.path
         if self.interval is not None:

@@ -79,3 +79,28 @@ def test_an_earlier_hydra_checkpoint_is_not_said_to_lack_what_its_run_config_hol
         assert RoundCheckpointer(str(plain), settings={"seed": 0, **later}).restore() is not None
     assert any("records no train_config, server_lr_schedule, server_lr_min_ratio" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_resume_past_a_corrupt_newest_checkpoint_keeps_it_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Round 3 does not verify: the resume takes round 2, and round 3 is moved aside for inspection instead
+    of being deleted by the resumed run's save of round 3."""
+    url = tmp_path / "ck"
+    _save_rounds(url, 3)
+    tensors = next(p for p in (url / "round-000003").iterdir() if p.suffix == ".safetensors")
+    corrupt = tensors.read_bytes()[:-3]
+    tensors.write_bytes(corrupt)
+    resumed = _checkpointer(url)
+    with caplog.at_level("WARNING"):
+        point = resumed.restore()
+    assert point is not None and point.round == 2
+    aside = [p for p in url.iterdir() if p.name.startswith("aside-")]
+    assert [p.name.rsplit("-", 1)[-1] for p in aside] == ["000003"]
+    assert (aside[0] / tensors.name).read_bytes() == corrupt
+    assert any("moved 1 checkpoint(s) that did not verify aside, kept for inspection" in r.getMessage()
+               for r in caplog.records)
+    resumed.save(3, {"w": torch.full((4,), 3.0)}, ({}, {}), [], GuardState(), wait=True)
+    assert (aside[0] / tensors.name).read_bytes() == corrupt  # the new round 3 left it alone
+    assert sorted(p.name for p in url.iterdir() if p.name.startswith("round-")) == [
+        "round-000001", "round-000002", "round-000003"]
