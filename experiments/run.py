@@ -175,6 +175,13 @@ def override_problems(args: Sequence[str]) -> list[str]:
             continue
         if key == "hydra" or key.startswith("hydra."):
             continue
+        if key == "output_dir":  # read by fedrobust's ServerApp under flwr run; Hydra picks the folder here
+            problems.append(
+                f"{override.input_line}: experiments.run writes its outputs to Hydra's run folder: set "
+                f"hydra.run.dir={format_value(override.value())} (hydra.sweep.dir with -m); output_dir is for "
+                "flwr run"
+            )
+            continue
         found = _field_hint(key)
         if found is None:
             continue

@@ -130,7 +130,9 @@ WRONG: dict[str, Wrong] = {
     "signing.trust_dir": Wrong("{missing}", "{missing}", "no such directory"),
     "simulation.client_cpus": Wrong("0.0", "0.0", "must be > 0"),
     "simulation.client_gpus": Wrong("-1.0", "-1.0", "must be >= 0"),
-    "output_dir": Wrong("{file}", "{file}", "must be a directory (a file of that name exists)"),
+    # Any value on experiments.run's command line (Hydra picks the folder there); a file in its place is refused
+    # under flwr run (test_output_dir_on_the_hydra_command_line_points_at_hydra_run_dir).
+    "output_dir": Wrong("{file}", "{file}", "experiments.run writes its outputs to Hydra's run folder"),
 }
 
 # Settings that no value can make wrong, with the reason. None so far: even free strings name paths.
@@ -698,3 +700,23 @@ def test_under_flwr_run_in_simulation_a_device_this_machine_lacks_is_refused_bef
     with pytest.raises(ConfigError) as refused:
         make_server_app()(None, context)  # type: ignore[arg-type]  # no grid: an in-memory one, as in simulation
     assert [p.split(":")[0] for p in refused.value.problems] == ["client.device=cuda"]
+
+
+def test_output_dir_on_the_hydra_command_line_points_at_hydra_run_dir(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """output_dir is where fedrobust's ServerApp writes under flwr run; experiments.run writes to Hydra's run
+    folder, so an output_dir there would be checked and then not used: refused, naming what to set."""
+    outcome = _cli([f"output_dir={tmp_path}/out", "num_rounds=1"], monkeypatch)
+    _assert_one_problem(outcome, f"output_dir={tmp_path}/out: ",
+                        f"experiments.run writes its outputs to Hydra's run folder: set hydra.run.dir={tmp_path}/out "
+                        "(hydra.sweep.dir with -m); output_dir is for flwr run")
+    assert not engine_guard and not (tmp_path / "out").exists()
+    # Under flwr run fedrobust's ServerApp writes there: a file in its place is refused.
+    from fedrobust.strategies.server_app import checked_run_config
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(run.ConfigError) as refused:
+        checked_run_config({**RunConfig().to_flat(), "output_dir": str(tmp_path / "afile")})
+    assert refused.value.problems == [
+        f"output_dir={tmp_path / 'afile'}: must be a directory (a file of that name exists)"]
