@@ -404,10 +404,19 @@ def _check_checkpoint_basics(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "checkpoint.every_seconds", cfg.checkpoint.every_seconds, 0, " (0: no time-based saves)")
     _choice(problems, "checkpoint.resume", cfg.checkpoint.resume, RESUME_MODES)
     for key, where in (("checkpoint.dir", cfg.checkpoint.dir), ("checkpoint.mirror", cfg.checkpoint.mirror)):
-        if where and "://" in where:
-            _storage_url(problems, key, where)
-        elif where:  # a local directory (for the mirror, a mounted share)
-            _local_dir(problems, key, where, "a directory or URL")
+        if where:
+            problems += checkpoint_place_problems(key, where)
+
+
+def checkpoint_place_problems(key: str, where: str) -> list[str]:
+    """``<key>=<where>: <reason>`` when a checkpoint directory or mirror cannot be used: a URL whose file
+    system fsspec does not know (or lacks its package here), a local path with a file on it or unwritable."""
+    problems: list[str] = []
+    if "://" in where:
+        _storage_url(problems, key, where)
+    else:  # a local directory (for the mirror, a mounted share)
+        _local_dir(problems, key, where, "a directory or URL")
+    return problems
 
 
 def _storage_url(problems: list[str], key: str, url: str) -> None:

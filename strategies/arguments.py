@@ -18,7 +18,7 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, LivenessConfig
-from fedrobust.run_setup import liveness_problems
+from fedrobust.run_setup import checkpoint_place_problems, liveness_problems
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import SCHEDULES as LR_SCHEDULES
@@ -105,6 +105,11 @@ def _check_types(a: SimpleNamespace) -> None:
         path = getattr(a, name)
         check(path is None or isinstance(path, str | os.PathLike),
               f"{name} must be a path or None, got {path!r} ({type(path).__name__})")
+    for name in ("checkpoint_dir", "checkpoint_mirror"):
+        where = getattr(a, name)
+        if where:
+            problems = checkpoint_place_problems(name, os.fspath(where))
+            check(not problems, "; ".join(problems))
     check(a.metrics_path is None or not Path(a.metrics_path).is_dir(),
           f"metrics_path must be a file (one JSON line per round), got the directory {a.metrics_path!r}")
     if a.metrics_path:

@@ -680,6 +680,11 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         ({"divergence_factor": -1.0}, "divergence_factor"),
         ({"resume": "sometimes"}, "valid choices"),
         ({"checkpoint_keep": 0}, "checkpoint_keep"),
+        ({"checkpoint_dir": "nosuchproto://runs"}, r"^checkpoint_dir=nosuchproto://runs: unknown storage protocol "
+                                                   r"'nosuchproto'; e.g. a local path, file://, s3://"),
+        ({"checkpoint_dir": __file__}, r"^checkpoint_dir=.*test_library.py: must be a directory or URL \(a file of "
+                                       r"that name exists\)$"),
+        ({"checkpoint_dir": "ck", "checkpoint_mirror": "nosuch://m"}, r"^checkpoint_mirror=nosuch://m: unknown"),
         # As values come from a config file: a string names the argument, its value and its type.
         ({"fraction_train": "0.5"}, r"^fraction_train must be a number, got '0.5' \(str\)$"),
         ({"max_update_norm": "10"}, r"^max_update_norm must be a number or None, got '10' \(str\)$"),
