@@ -72,10 +72,18 @@ def signing_mod(private_key: KeySource | None = None) -> Mod:
         key_for = lambda _context: private_key  # noqa: E731 - a constant key
     elif callable(private_key):
         key_for = private_key
-    else:
+    elif isinstance(private_key, str | os.PathLike):
         path = os.fspath(private_key)
-        _key_from_file(path)  # a missing or malformed key fails when the app is built, not per message
+        try:  # a missing or malformed key fails when the app is built, not per message
+            _key_from_file(path)
+        except OSError as err:
+            raise ValueError(f"signing_mod: the private key {path!r} cannot be read: {err.strerror or err}") from None
         key_for = lambda _context: _key_from_file(path)  # noqa: E731
+    else:
+        raise TypeError(
+            "signing_mod takes the node's Ed25519 private key as a PEM file path, a loaded Ed25519PrivateKey, a "
+            f"function key_for(context), or None (the node config's signing-key), got {type(private_key).__name__}"
+        )
 
     def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
         reply = call_next(msg, context)

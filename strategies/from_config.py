@@ -60,6 +60,11 @@ def strategy_from_config(
     progress: bool = True,
 ) -> RobustStrategy:
     """The strategy ``cfg`` describes; metrics go to ``out_dir/metrics.jsonl`` when given."""
+    if not isinstance(cfg, RunConfig):
+        raise TypeError(
+            "strategy_from_config takes a fedrobust.config.RunConfig, e.g. from_flat(context.run_config) or "
+            f"from_nested(a dict of sections), got {type(cfg).__name__}"
+        )
     return RobustStrategy(
         # A built-in rule's name or a user rule's dotted path: RobustStrategy rebuilds it by name for
         # the f left after faulty nodes are excluded.

@@ -1389,3 +1389,22 @@ def test_a_weighted_by_key_the_clients_do_not_send_is_named_with_the_keys_they_d
         grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 5, seed=0)
         with _server_identity(grid.run.run_id):
             strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+
+
+def test_signing_mod_refuses_a_key_it_cannot_use_when_the_app_is_built(tmp_path: Path) -> None:
+    from fedrobust import signing_mod
+
+    with pytest.raises(TypeError, match=r"^signing_mod takes the node's Ed25519 private key as a PEM file path, .* "
+                                        r"got int$"):
+        signing_mod(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^signing_mod: the private key '.*missing.pem' cannot be read: No such file"):
+        signing_mod(tmp_path / "missing.pem")
+    with pytest.raises(ValueError, match=r"cannot be read: Is a directory$"):
+        signing_mod(str(tmp_path))
+
+
+def test_strategy_from_config_names_what_it_takes() -> None:
+    from fedrobust.strategies.from_config import strategy_from_config
+
+    with pytest.raises(TypeError, match=r"^strategy_from_config takes a fedrobust.config.RunConfig, .* got dict$"):
+        strategy_from_config({"num_rounds": 3})  # type: ignore[arg-type]
