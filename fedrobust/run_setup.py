@@ -538,6 +538,9 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
         raise ValueError(
             f"checkpoint.mirror={ck.mirror}: needs checkpoint.dir, the local directory written first and uploaded"
         )
+    if ck.force_resume and not ck.dir:
+        raise ValueError("checkpoint.force_resume=true: needs checkpoint.dir; without checkpoints there is nothing "
+                         "to resume")
 
 
 def byzantine_partitions(cfg: RunConfig) -> frozenset[int]:

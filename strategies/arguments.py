@@ -189,3 +189,5 @@ def _check_choices(a: SimpleNamespace) -> None:
     check(not a.checkpoint_mirror or a.checkpoint_dir not in (None, ""),
           f"checkpoint_mirror={a.checkpoint_mirror!r} needs checkpoint_dir, the local directory written first")
     check(a.resume in RESUME_MODES, f"unknown resume {a.resume!r}; valid choices: {list(RESUME_MODES)}")
+    check(not a.force_resume or a.checkpoint_dir not in (None, ""),
+          "force_resume=True needs checkpoint_dir: without checkpoints there is nothing to resume")

@@ -702,6 +702,19 @@ def test_under_flwr_run_in_simulation_a_device_this_machine_lacks_is_refused_bef
     assert [p.split(":")[0] for p in refused.value.problems] == ["client.device=cuda"]
 
 
+def test_force_resume_without_a_checkpoint_dir_is_refused(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Asking to force a resume with no checkpoints to resume from is a slip: said, in both entry points."""
+    outcome = _cli(["checkpoint.force_resume=true", "num_rounds=1"], monkeypatch)
+    _assert_one_problem(outcome, "checkpoint.force_resume=true: ", "needs checkpoint.dir; without checkpoints")
+    assert not engine_guard
+    from fedrobust import RobustStrategy
+
+    with pytest.raises(ValueError, match="^force_resume=True needs checkpoint_dir: without checkpoints"):
+        RobustStrategy(force_resume=True)
+
+
 def test_output_dir_on_the_hydra_command_line_points_at_hydra_run_dir(
     engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
