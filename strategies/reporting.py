@@ -13,6 +13,7 @@ import logging
 import math
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,10 @@ class MetricsLog:
         if self.echo and not _logged_to_console(log):
             print(line, flush=True)
 
-    def finish(self, seconds: float, first_round: int = 1) -> None:
-        """The run's summary; ``first_round`` > 1: this process resumed and trained from that round."""
-        for line in summary_text(self.rows, seconds, first_round).splitlines():
+    def finish(self, seconds: float, first_round: int = 1, notes: Sequence[str] = ()) -> None:
+        """The run's summary; ``first_round`` > 1: this process resumed and trained from that round; ``notes``:
+        lines it ends with (what went wrong beside the rounds, e.g. checkpoints that could not be written)."""
+        for line in summary_text(self.rows, seconds, first_round, notes).splitlines():
             self.say(line)
 
 
@@ -141,7 +143,7 @@ def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
     return "left out in most rounds: " + ", ".join(names[:listed]) + more
 
 
-def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 1) -> str:
+def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 1, notes: Sequence[str] = ()) -> str:
     """The summary of the whole run (rows restored by a resume included); ``seconds`` is this process's."""
     if not rows:
         return "no round completed"
@@ -182,5 +184,6 @@ def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 
     ]
     if often := left_out_most(rows):
         lines.append(often)
+    lines += notes
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -187,8 +187,21 @@ class RoundLoop:
         finally:
             self.checkpointer.close()
         self.result.arrays = arrays
-        self.metrics.finish(time.perf_counter() - started, first_round)
+        self.metrics.finish(time.perf_counter() - started, first_round, self._checkpoint_notes())
         return self.result
+
+    def _checkpoint_notes(self) -> list[str]:
+        """A summary line when the last round's checkpoint is not on disk (the writes failed: the errors
+        were logged as they came): the run finished, but a crash near its end would have lost rounds."""
+        last = self.metrics.rows[-1]["round"] if self.metrics.rows else 0
+        if self.strategy.checkpoint_dir is None or last == 0:
+            return []
+        newest = self.checkpointer.newest_round()
+        if newest == last:
+            return []
+        return [f"CHECKPOINTS FAILED: the newest checkpoint on disk is "
+                f"{'none' if newest is None else f'of round {newest}'}, the run ended after round {last} (the "
+                "write errors are logged above); the final model is in this run's result"]
 
     def _rounds(self, arrays: ArrayRecord, first_round: int) -> ArrayRecord:
         s = self.strategy

@@ -1077,6 +1077,48 @@ grid = InProcessGrid(app, 4, seed=0, nodes={{10 + i: {{"partition-id": i + 3, "n
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("round-*")) == ["round-000001"]
 
 
+def test_a_run_whose_checkpoints_fail_finishes_and_its_summary_says_so(tmp_path: Path) -> None:
+    """Round 1's checkpoint is written, then the disk refuses writes (RLIMIT_FSIZE). The run goes on (a
+    disk that fills must not cost the rounds in memory) and finishes; its summary says which round the
+    newest checkpoint on disk is of, next to the write errors logged as they came."""
+    import subprocess
+    import sys
+
+    code = f"""
+import logging, resource, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from flwr.app import ArrayRecord, MetricRecord
+from experiments.inprocess import InProcessGrid, _server_identity
+from fedrobust import RobustStrategy
+from tests.integration.test_library import _echo_app, make_net
+
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+ckpt = Path({str(tmp_path / "ckpt")!r})
+strategy = RobustStrategy(aggregator="median", checkpoint_dir=ckpt, progress=True)
+
+def evaluate(server_round, arrays):
+    if server_round == 2:
+        while not (ckpt / "round-000001" / "manifest.json").exists():
+            time.sleep(0.01)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return MetricRecord({{"loss": 1.0, "accuracy": 0.5}})
+
+grid = InProcessGrid(_echo_app(lambda _: {{"num-examples": 10}}), 3, seed=0)
+with _server_identity(grid.run.run_id):
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=3,
+                            evaluate_fn=evaluate)
+print("rounds in the result:", sorted(result.train_metrics_clientapp))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rounds in the result: [1, 2, 3]" in done.stdout, done.stdout + done.stderr
+    assert ("CHECKPOINTS FAILED: the newest checkpoint on disk is of round 1, the run ended after round 3"
+            in done.stdout), done.stdout + done.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("round-*")) == ["round-000001"]
+
+
 def test_flowers_exit_path_stops_a_users_run_after_checkpointing_it(tmp_path: Path) -> None:
     """In a user's own ServerApp, under ``flwr run`` (a thread of flwr-simulation) or on a deployment, a
     signal or ``flwr stop`` ends the process through Flower's exit handlers. ``start()`` registers one for
