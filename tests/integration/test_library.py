@@ -1034,6 +1034,19 @@ except Preempted as stopped:
     print("checkpointed:", stopped.checkpointed)
 """
 
+def refuse_writes_once_round_1_is_on_disk(ckpt: Path) -> None:
+    """In a test's subprocess: wait for round 1's checkpoint, then make the disk refuse writes of more than
+    4 KiB (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC; SIGXFSZ ignored so that the write fails instead)."""
+    import resource
+    import signal
+    import time
+
+    while not (ckpt / "round-000001" / "manifest.json").exists():
+        time.sleep(0.01)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 def test_a_stop_whose_checkpoint_the_disk_refuses_says_where_a_resume_starts(tmp_path: Path) -> None:
     """Round 1's checkpoint is written; then the disk refuses writes (RLIMIT_FSIZE: EFBIG, as a full disk's
     ENOSPC) and a stop comes in round 2. The stop's own checkpoint fails: the run says so, and that a resume
@@ -1049,7 +1062,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.clientapp import ClientApp
 from experiments.inprocess import InProcessGrid, _server_identity
 from fedrobust import Preempted, RobustStrategy
-from tests.integration.test_library import make_net, train
+from tests.integration.test_library import make_net, refuse_writes_once_round_1_is_on_disk, train
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 ckpt = Path({str(tmp_path / "ckpt")!r})
@@ -1057,10 +1070,7 @@ strategy = RobustStrategy(aggregator="median", num_byzantine=1, checkpoint_dir=c
 
 def evaluate(server_round, arrays):
     if server_round == 2:
-        while not (ckpt / "round-000001" / "manifest.json").exists():
-            time.sleep(0.01)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        refuse_writes_once_round_1_is_on_disk(ckpt)
         strategy.request_stop()
     return MetricRecord({{"loss": 1.0, "accuracy": 0.5}})
 
@@ -1091,7 +1101,7 @@ sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
 from flwr.app import ArrayRecord, MetricRecord
 from experiments.inprocess import InProcessGrid, _server_identity
 from fedrobust import RobustStrategy
-from tests.integration.test_library import _echo_app, make_net
+from tests.integration.test_library import _echo_app, make_net, refuse_writes_once_round_1_is_on_disk
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 ckpt = Path({str(tmp_path / "ckpt")!r})
@@ -1099,10 +1109,7 @@ strategy = RobustStrategy(aggregator="median", checkpoint_dir=ckpt, progress=Tru
 
 def evaluate(server_round, arrays):
     if server_round == 2:
-        while not (ckpt / "round-000001" / "manifest.json").exists():
-            time.sleep(0.01)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        refuse_writes_once_round_1_is_on_disk(ckpt)
     return MetricRecord({{"loss": 1.0, "accuracy": 0.5}})
 
 grid = InProcessGrid(_echo_app(lambda _: {{"num-examples": 10}}), 3, seed=0)
