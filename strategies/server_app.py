@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -105,11 +105,16 @@ def checked_run_config(run_config: Mapping[str, Any], *, local_devices: bool = F
                 f"({', '.join(attacks.client_names())})"
             )
     if problems:
-        log.error("fedrobust: invalid configuration:")
-        for line in problems:
-            log.error("  %s", line)
-        raise ConfigError(problems)
+        _refuse(problems)
     return run_cfg
+
+
+def _refuse(problems: list[str]) -> NoReturn:
+    """Log ``fedrobust: invalid configuration:`` and one line per problem (``flwr log`` shows why), then raise."""
+    log.error("fedrobust: invalid configuration:")
+    for line in problems:
+        log.error("  %s", line)
+    raise ConfigError(problems)
 
 
 def run_experiment(
@@ -196,12 +201,11 @@ def make_server_app(
         simulated = not isinstance(grid, HttpGrid)
         run_cfg = cfg if cfg is not None else checked_run_config(context.run_config, local_devices=simulated)
         if seed_keys_on_a_deployment(grid, run_cfg):
-            log.warning(
-                "signing.require=true without signing.trust_dir on the Deployment Engine: replies are checked "
-                "against keys derived from the run's seed, which anyone who knows the run config can derive, so "
-                "a valid signature proves nothing about who sent it. Set signing.trust_dir to the trust store of "
-                "python -m fedrobust.keygen (docs/deployment.md, sections 2 and 7)."
-            )
+            # The devices sign with keygen keys: every reply would be refused as unknown_key, round after round;
+            # and keys derived from the run's seed, which anyone who knows the run config can derive, prove nothing.
+            _refuse(["signing.require=true: on a deployment it needs signing.trust_dir, the trust store of python -m "
+                     "fedrobust.keygen (docs/deployment.md, sections 2 and 7); without it replies would be checked "
+                     "against keys derived from the run's seed, which anyone who knows the run config can derive"])
         target = out_dir if out_dir is not None else Path(run_cfg.output_dir or f"outputs/run-{grid.run.run_id}")
         run_experiment(grid, run_cfg, target, update_hook=update_hook, on_strategy=on_strategy)
 

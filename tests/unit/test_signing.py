@@ -741,7 +741,7 @@ def test_keygen_cli_usage_errors(args: list[str]) -> None:
 
 def test_seed_derived_keys_are_flagged_on_the_deployment_engine_only() -> None:
     """signing.require without a trust store checks keys anyone can derive from the run's seed: fine in a
-    simulation, a false guarantee on Flower's Deployment Engine (its HttpGrid), where the ServerApp warns."""
+    simulation, a false guarantee on Flower's Deployment Engine (its HttpGrid), where the ServerApp refuses it."""
     from flwr.superlink.grid import HttpGrid, InMemoryGrid
 
     from fedrobust.config import from_flat
@@ -754,6 +754,29 @@ def test_seed_derived_keys_are_flagged_on_the_deployment_engine_only() -> None:
     assert not seed_keys_on_a_deployment(simulation, required)
     assert not seed_keys_on_a_deployment(deployment, with_store)
     assert not seed_keys_on_a_deployment(deployment, from_flat({}))
+
+
+def test_fedrobusts_app_refuses_seed_derived_keys_on_a_deployment_before_any_round(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The devices sign with keygen keys: every reply would be unknown_key, round after round, and the seed's
+    keys prove nothing anyway. Refused as a configuration problem, in one line, before the grid is used."""
+    from flwr.app import Context, RecordDict
+    from flwr.superlink.grid import HttpGrid
+
+    from fedrobust.config import ConfigError, RunConfig
+    from fedrobust.strategies.server_app import make_server_app
+
+    grid = HttpGrid.__new__(HttpGrid)  # no connection: nothing may be sent
+    run_config = {**RunConfig().to_flat(), "signing.require": True}
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with caplog.at_level("ERROR"), pytest.raises(ConfigError) as refused:
+        make_server_app()(grid, context)
+    assert refused.value.problems == [
+        "signing.require=true: on a deployment it needs signing.trust_dir, the trust store of python -m "
+        "fedrobust.keygen (docs/deployment.md, sections 2 and 7); without it replies would be checked against keys "
+        "derived from the run's seed, which anyone who knows the run config can derive"]
+    assert "fedrobust: invalid configuration:" in caplog.text
 
 
 def test_a_node_s_unreadable_signing_key_names_the_node_config_entry(tmp_path: Path) -> None:
