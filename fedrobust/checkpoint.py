@@ -367,7 +367,8 @@ class CheckpointStore:
         self.keep = keep
         # Why each checkpoint the last latest_valid() passed over failed verification ("<path>: <reason>").
         self.skipped: list[str] = []
-        self.failed: list[str] = []  # the round-* directories the last latest_valid() found not to verify
+        # The committed round-* directories (with a manifest) the last latest_valid() found not to verify.
+        self.failed: list[str] = []
         self.full_every = full_every
         # A fresh filesystem object: fsspec's instance cache is keyed on the arguments only, so a
         # cached one would keep an endpoint or credentials read from an environment since changed.
@@ -704,7 +705,9 @@ class CheckpointStore:
             where = self._display(self._join(name))
             logger.warning("skipping checkpoint %s: %s", where, exc)
             self.skipped.append(f"{where}: {exc}")
-            self.failed.append(name)
+            with contextlib.suppress(Exception):  # a write that never finished (no manifest) is no evidence
+                if self._fs.exists(self._join(name, MANIFEST_FILE)):
+                    self.failed.append(name)
             return None
 
     def set_aside(self, names: Sequence[str] | None = None) -> list[str]:

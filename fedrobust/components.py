@@ -572,15 +572,21 @@ def rule_identity(target: Callable[..., Any]) -> dict[str, Any]:
     except (OSError, TypeError):  # defined where no source is kept (an interactive session, a builtin)
         code = None
     scalars = (bool, int, float, str, type(None))
-    if inspect.isclass(target):
-        state: dict[str, Any] = {}
-    elif inspect.isfunction(target):
-        # Two closures of one factory share their code; what tells them apart is what they captured.
+    state = {} if inspect.isfunction(target) or inspect.isclass(target) else {
+        k: v for k, v in sorted(getattr(target, "__dict__", {}).items()) if isinstance(v, scalars)
+    }
+    identity: dict[str, Any] = {"name": _rule_label(target), "code": code, "state": state}
+    if inspect.isfunction(target):
+        # Two closures of one factory share their code; what tells them apart is what they captured. (Under a
+        # key of its own, recorded only where there is something: an earlier version's checkpoint lacks it.)
         cells = zip(target.__code__.co_freevars, target.__closure__ or (), strict=True)
-        state = {name: _cell_value(cell) for name, cell in sorted(cells) if isinstance(_cell_value(cell), scalars)}
-    else:
-        state = {k: v for k, v in sorted(getattr(target, "__dict__", {}).items()) if isinstance(v, scalars)}
-    return {"name": _rule_label(target), "code": code, "state": state}
+        captured = {name: value for name, cell in sorted(cells) if isinstance(value := _cell_value(cell), scalars)}
+        if captured:
+            identity[CAPTURED_KEY] = captured
+    return identity
+
+
+CAPTURED_KEY = "captured"
 
 
 def _cell_value(cell: Any) -> Any:

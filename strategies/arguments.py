@@ -124,10 +124,9 @@ def _check_types(a: SimpleNamespace) -> None:
     check(a.liveness is None or isinstance(a.liveness, LivenessConfig | Mapping),
           f"liveness must be a LivenessConfig, a mapping of its fields or None, got {a.liveness!r}")
     if a.liveness is not None:
-        live = a.liveness if isinstance(a.liveness, LivenessConfig) else None
-        if live is None:
-            check_keys("liveness", a.liveness, [f.name for f in dataclasses.fields(LivenessConfig)])
-            live = LivenessConfig(**{k: as_integer(f"liveness {k!r}", v) for k, v in a.liveness.items()})
+        given = dataclasses.asdict(a.liveness) if isinstance(a.liveness, LivenessConfig) else a.liveness
+        check_keys("liveness", given, [f.name for f in dataclasses.fields(LivenessConfig)])
+        live = LivenessConfig(**{k: as_integer(f"liveness {k!r}", v) for k, v in given.items()})
         problems = liveness_problems(live)
         check(not problems, "; ".join(problems))
     for name in _AT_LEAST_ONE + _AT_LEAST_ZERO:

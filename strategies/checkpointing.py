@@ -35,6 +35,7 @@ from fedrobust.checkpoint import (
 )
 from fedrobust.checkpoint_interval import AdaptiveInterval
 from fedrobust.checkpoint_mirror import MirroredStore, open_store
+from fedrobust.components import CAPTURED_KEY
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO
 from fedrobust.dir_lock import DirectoryLock
 from fedrobust.strategies.errors import CheckpointStorageError
@@ -304,6 +305,10 @@ class RoundCheckpointer:
         # Settings a checkpoint of an earlier version does not record are not compared.
         unrecorded = [k for k in _RECORDED_LATER if k in self.settings and k not in saved]
         current = {k: v for k, v in self.settings.items() if k not in unrecorded}
+        current, uncaptured = _without_unrecorded_captures(current, saved)
+        if uncaptured:
+            log.warning("checkpoint %s records no values captured by the function of %s (saved by an earlier "
+                        "version): not compared", checkpoint.path, ", ".join(uncaptured))
         # A checkpoint that records its lr schedule records num_rounds only under a schedule, by design; and
         # where both record a whole run config (the Hydra path), the schedule and the train config follow from
         # it, so they were compared after all.
@@ -336,7 +341,11 @@ class RoundCheckpointer:
         restore_rng_state(groups.get("rng", {}), meta["rng"])
         # The newer checkpoints that did not verify would be deleted by this run's saves of their rounds:
         # they are kept for inspection instead, as a fresh start keeps what it finds.
-        moved = self.store.set_aside_failed()
+        try:
+            moved = self.store.set_aside_failed()
+        except Exception as err:  # housekeeping: the resume goes on, and a save of their round deletes them
+            log.warning("the checkpoints that did not verify could not be moved aside: %s", _reason(err))
+            moved = []
         if moved:
             log.warning("moved %d checkpoint(s) that did not verify aside, kept for inspection: %s", len(moved),
                         ", ".join(moved))
@@ -390,6 +399,21 @@ _RECORDED_LATER = ("train_config", "num_rounds", "server_lr_schedule", "server_l
 # The key under which the Hydra path records its whole run config, and the later settings that follow from it.
 RUN_SETTINGS_KEY = "run"
 _IN_RUN_CONFIG = ("train_config", "server_lr_schedule", "server_lr_min_ratio")
+
+
+def _without_unrecorded_captures(current: Any, saved: Any, path: str = "") -> tuple[Any, list[str]]:
+    """``current`` without the closure values (:data:`fedrobust.components.CAPTURED_KEY`) of a rule or lr
+    schedule whose identity in ``saved`` has none (recorded since a later version); the settings' paths."""
+    if not (isinstance(current, Mapping) and isinstance(saved, Mapping)):
+        return current, []
+    out, paths = {}, []
+    for key, value in current.items():
+        if key == CAPTURED_KEY and key not in saved and "code" in saved:
+            paths.append(path or "the settings")
+            continue
+        out[key], found = _without_unrecorded_captures(value, saved.get(key), f"{path}.{key}" if path else key)
+        paths += found
+    return out, paths
 
 
 def _reason(err: BaseException) -> str:

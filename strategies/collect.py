@@ -28,7 +28,7 @@ SLOW_PULL_SECONDS = 5.0
 # database takes one writer at a time), and a busy SuperLink only gets busier with more.
 MAX_HELD_PULLS = 2
 # A pull that failed (a SuperLink's 500, a dropped connection) is tried again after this, doubling with each
-# failure in a row up to the maximum: the replies stay on the SuperLink, and the round's deadline still holds.
+# failure in a row up to the maximum; the round's deadline still holds.
 PULL_RETRY_SECONDS = 0.5
 MAX_PULL_RETRY_SECONDS = 5.0
 
@@ -165,7 +165,8 @@ class _Pulls:
     is waited for in full: replies arrive in the same order and rounds as with a direct call. At most
     :data:`MAX_HELD_PULLS` calls are held at once. A call that fails in the transport (a SuperLink's 500
     while its state database is locked, a dropped connection) is tried again after a backoff until the
-    round's deadline, as if its replies had not come in yet; any other error ends the round.
+    round's deadline, as if its replies had not come in yet (those it had taken off the SuperLink are lost
+    with it); any other error ends the round.
     """
 
     def __init__(self, grid: Grid) -> None:
@@ -224,9 +225,10 @@ class _Pulls:
         ]
 
     def _failed(self, error: BaseException) -> None:
-        """A failed pull: tried again after a backoff where the failure is the transport's (the replies
-        are still on the SuperLink); any other error is raised in the round's thread."""
-        if not isinstance(error, _transient_errors()):
+        """A failed pull: tried again after a backoff where the failure is the transport's or the SuperLink's
+        (a 5xx); any other error (a refusal: 4xx, a bug) is raised in the round's thread. Replies the failed
+        call had already taken off the SuperLink are lost with it, as with a stuck call."""
+        if not _transient(error):
             raise error
         self._failures += 1
         wait = min(MAX_PULL_RETRY_SECONDS, PULL_RETRY_SECONDS * 2 ** (self._failures - 1))
@@ -250,14 +252,19 @@ class _Pulls:
 _said_slow = False  # the slow pull's warning, once a process (a busy SuperLink says it every round)
 
 
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    """What a pull raises when the transport fails, not the code: a connection or timeout error, and Flower's
-    HTTP grid's httpx errors (a SuperLink's 500, e.g. its state database locked)."""
+def _transient(error: BaseException) -> bool:
+    """Whether a pull failed in the transport or the SuperLink rather than in the code or by a refusal: a
+    connection or timeout error, and of Flower's HTTP grid's httpx errors the transport's and a 5xx (a
+    SuperLink's 500, e.g. its state database locked); not a 4xx, which asking again does not change."""
+    if isinstance(error, ConnectionError | TimeoutError):
+        return True
     try:
         import httpx
     except ImportError:  # a Flower without the HTTP grid
-        return (OSError, TimeoutError)
-    return (OSError, TimeoutError, httpx.HTTPError)
+        return False
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code >= 500
+    return isinstance(error, httpx.TransportError)
 
 
 def _unavailable(message: Message) -> bool:

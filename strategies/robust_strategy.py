@@ -898,8 +898,13 @@ class RobustStrategy(Strategy):
         where they are what asks for more (trimmed_mean's ``trim``), else num_byzantine, with the largest f
         that ``n`` rows take."""
         rule, pre, params = self._rule_spec
-        if isinstance(rule, str) and params and aggregators.build(rule, f=f, pre=pre).min_n() <= n:
-            return f"lower the rule's parameters (aggregator_params={params}: with f={f} they need more than {n})"
+        if rule in aggregators.names() and params:  # a built-in rule: its defaults tell whether params ask for more
+            try:
+                defaults_fit = aggregators.build(rule, f=f, pre=pre).min_n() <= n
+            except ValueError:  # a parameter without a default (none of the built-ins' has one today)
+                defaults_fit = False
+            if defaults_fit:
+                return f"lower the rule's parameters (aggregator_params={params}: with f={f} they need more than {n})"
         fits = self._largest_f_for(n, f)
         return "lower num_byzantine" + (f" (with {n} nodes, at most {fits})" if fits is not None else "")
 
@@ -1040,8 +1045,9 @@ class RobustStrategy(Strategy):
         check(
             isinstance(num_rounds, int) and num_rounds >= 1, f"num_rounds must be an integer >= 1, got {num_rounds!r}"
         )
-        check(is_number(timeout) and 0 < float(timeout) < math.inf,
-              f"timeout must be a number of seconds > 0 and finite, got {timeout!r} ({type(timeout).__name__})")
+        if self.round_deadline is None:  # else the round deadline is the rounds' timeout, and this one unused
+            check(is_number(timeout) and float(timeout) > 0,
+                  f"timeout must be a number of seconds > 0, got {timeout!r} ({type(timeout).__name__})")
         check(evaluate_fn is None or callable(evaluate_fn),
               f"evaluate_fn must be a function (server_round, arrays) -> MetricRecord or None, got {evaluate_fn!r}")
         _check_initial_arrays(initial_arrays)

@@ -73,14 +73,14 @@ def pipeline_order_hint(name: str) -> str | None:
     stages = [stage.strip() for stage in name.split(PIPELINE_SEPARATOR)]
     if len(stages) < 2 or any(s not in _RULES and s not in _PRES for s in stages):
         return None  # a bare name, or an unknown stage: the unknown-name message says more
-    # A stage twice is a typo, most likely, and its parameters are set by its name (aggregator.pre_params.<name>);
-    # DnC, a rule and a filter, may be both in one pipeline.
-    twice = sorted({s for s in stages if stages.count(s) > (2 if s in _RULES and s in _PRES else 1)})
-    if twice:
-        once = PIPELINE_SEPARATOR.join(dict.fromkeys(stages))
-        return f"names {', '.join(repr(s) for s in twice)} more than once; each stage once, e.g. {once!r}"
     if stages[-1] in _RULES and all(s in _PRES for s in stages[:-1]):
-        return None  # in order
+        # In order. A stage twice is a typo, most likely, and its parameters are set by its name
+        # (aggregator.pre_params.<name>); DnC, a rule and a filter, may be both: a filter and then the rule.
+        twice = sorted({s for s in stages if stages.count(s) > (2 if s == stages[-1] and s in _PRES else 1)})
+        if twice:
+            once = PIPELINE_SEPARATOR.join([*dict.fromkeys(stages[:-1]), stages[-1]])
+            return f"names {', '.join(repr(s) for s in twice)} more than once; each stage once, e.g. {once!r}"
+        return None
     # DnC is both a rule and a pre-aggregator: it is the rule only where no other stage can be.
     rules = [s for s in stages if s in _RULES and s not in _PRES] or [s for s in stages if s in _RULES][-1:]
     if len(rules) != 1:

@@ -803,8 +803,8 @@ def test_a_checkpoint_tells_a_changed_user_rule_from_the_same_one() -> None:
     # Two closures of one factory share their code: the values they captured tell them apart.
     assert rule_identity(clipped_mean(1.0)) == rule_identity(clipped_mean(1.0))
     assert rule_identity(clipped_mean(1.0)) != rule_identity(clipped_mean(2.0))
-    assert rule_identity(clipped_mean(1.0))["state"] == {"clip": 1.0}
-    assert rule_identity(median)["state"] == {}  # a function that captures nothing records what it did
+    assert rule_identity(clipped_mean(1.0))["captured"] == {"clip": 1.0}
+    assert "captured" not in rule_identity(median)  # a function that captures nothing records what it did
 
 
 def test_a_resume_past_num_rounds_says_that_nothing_is_trained(
@@ -1373,8 +1373,9 @@ def test_a_float64_model_is_said_to_be_stepped_in_float32(caplog: pytest.LogCapt
         ({"initial_arrays": ArrayRecord({"steps": torch.arange(3)})}, ValueError,
          "initial_arrays has no floating-point array to train (its arrays: steps)"),
         ({"initial_arrays": "nan"}, ValueError, "initial_arrays holds NaN or infinite values in 1 array(s) (0.weight)"),
-        ({"timeout": -1}, ValueError, "timeout must be a number of seconds > 0 and finite, got -1 (int)"),
-        ({"timeout": "10"}, ValueError, "timeout must be a number of seconds > 0 and finite, got '10' (str)"),
+        ({"timeout": -1}, ValueError, "timeout must be a number of seconds > 0, got -1 (int)"),
+        ({"timeout": "10"}, ValueError, "timeout must be a number of seconds > 0, got '10' (str)"),
+        ({"timeout": math.nan}, ValueError, "timeout must be a number of seconds > 0, got nan (float)"),
         ({"evaluate_fn": "accuracy"}, ValueError, "evaluate_fn must be a function (server_round, arrays) ->"),
     ],
 )
@@ -1408,6 +1409,8 @@ def test_liveness_settings_out_of_range_are_refused_as_in_the_run_config() -> No
         RobustStrategy(liveness=LivenessConfig(dead_after=0))
     with pytest.raises(ValueError, match=re.escape("liveness 'suspect_after' must be an integer, got '2' (str)")):
         RobustStrategy(liveness={"suspect_after": "2"})
+    with pytest.raises(ValueError, match=re.escape("liveness 'dead_after' must be an integer, got '3' (str)")):
+        RobustStrategy(liveness=LivenessConfig(dead_after="3"))  # type: ignore[arg-type]
 
 
 def test_an_evaluate_fn_without_a_loss_is_said_to_leave_the_guard_without_its_loss_test(
@@ -1457,3 +1460,36 @@ def test_strategy_from_config_names_what_it_takes() -> None:
 
     with pytest.raises(TypeError, match=r"^strategy_from_config takes a fedrobust.config.RunConfig, .* got dict$"):
         strategy_from_config({"num_rounds": 3})  # type: ignore[arg-type]
+
+
+def test_too_few_advice_for_a_users_rule_with_required_parameters_names_num_byzantine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The advice compares with the rule's defaults only for built-in rules: a user's rule by dotted path may
+    have no defaults, and building it without its parameters must not turn the advice into an error."""
+    (tmp_path / "fr_required_rule.py").write_text(
+        "import torch\n\n"
+        "class Rule:\n"
+        "    def __init__(self, *, f: int, k: int) -> None:\n"
+        "        self.f, self.k = f, k\n\n"
+        "    def min_n(self) -> int:\n"
+        "        return 2 * self.f + self.k\n\n"
+        "    def __call__(self, updates: torch.Tensor) -> torch.Tensor:\n"
+        "        return updates.median(dim=0).values\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    strategy = RobustStrategy(aggregator="fr_required_rule.Rule", aggregator_params={"k": 2}, num_byzantine=1,
+                              progress=False)
+    assert strategy.too_few_advice(3, 1).startswith("lower num_byzantine")
+
+
+def test_start_takes_an_unbounded_timeout_and_none_beside_a_round_deadline() -> None:
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    for strategy, timeout in ((RobustStrategy(aggregator="median", progress=False), math.inf),
+                              (RobustStrategy(aggregator="median", round_deadline=30.0, progress=False), None)):
+        grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
+        with _server_identity(grid.run.run_id):
+            result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1,
+                                    timeout=timeout)  # type: ignore[arg-type]
+        assert sorted(result.train_metrics_clientapp) == [1]

@@ -104,3 +104,40 @@ def test_a_resume_past_a_corrupt_newest_checkpoint_keeps_it_aside(
     assert (aside[0] / tensors.name).read_bytes() == corrupt  # the new round 3 left it alone
     assert sorted(p.name for p in url.iterdir() if p.name.startswith("round-")) == [
         "round-000001", "round-000002", "round-000003"]
+
+
+def test_a_write_that_never_finished_is_not_kept_aside(tmp_path: Path) -> None:
+    """A round-* directory without a manifest is an interrupted write, not evidence: the resume leaves it to
+    be replaced, as before, instead of keeping one more aside-* directory after every crash."""
+    url = tmp_path / "ck"
+    _save_rounds(url, 2)
+    (url / "round-000003").mkdir()
+    (url / "round-000003" / "meta.json").write_text("{}")  # written, never committed
+    point = _checkpointer(url).restore()
+    assert point is not None and point.round == 2
+    assert not [p for p in url.iterdir() if p.name.startswith("aside-")]
+
+
+def test_a_closure_rule_is_compared_by_what_it_captured_unless_an_earlier_checkpoint_lacks_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fedrobust.checkpoint import CheckpointMismatchError
+    from fedrobust.components import rule_identity
+
+    def clipped_mean(clip: float):  # type: ignore[no-untyped-def]
+        return lambda rows: rows.clamp(-clip, clip).mean(0)
+
+    def save(url: Path, aggregator: dict) -> None:
+        checkpointer = RoundCheckpointer(str(url), settings={"aggregator": aggregator})
+        assert checkpointer.restore() is None
+        checkpointer.save(1, {"w": torch.zeros(4)}, ({}, {}), [], GuardState(), wait=True)
+
+    one, two = rule_identity(clipped_mean(1.0)), rule_identity(clipped_mean(2.0))
+    save(tmp_path / "now", one)
+    with pytest.raises(CheckpointMismatchError, match=r"aggregator.captured.clip: 1.0 -> 2.0"):
+        RoundCheckpointer(str(tmp_path / "now"), settings={"aggregator": two}).restore()
+    # As an earlier version recorded a function: no captured values. Resumed, and said.
+    save(tmp_path / "earlier", {k: v for k, v in one.items() if k != "captured"})
+    with caplog.at_level("WARNING"):
+        assert RoundCheckpointer(str(tmp_path / "earlier"), settings={"aggregator": two}).restore() is not None
+    assert any("records no values captured by the function of aggregator" in r.getMessage() for r in caplog.records)

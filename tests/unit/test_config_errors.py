@@ -345,6 +345,7 @@ def test_a_refused_config_leaves_a_run_folder_with_more_in_it(
         ("dnc+nnm", "the rule goes last, after its pre-aggregators: 'nnm+dnc'"),  # DnC: a rule where nothing else is
         ("dnc+dnc+nnm", "the rule goes last, after its pre-aggregators: 'dnc+nnm+dnc'"),  # the filter DnC stays
         ("nnm+nnm+krum", "names 'nnm' more than once; each stage once, e.g. 'nnm+krum'"),
+        ("dnc+dnc+mean", "names 'dnc' more than once; each stage once, e.g. 'dnc+mean'"),  # a filter, then the rule
         ("winsorize+nnm+winsorize+trimmed_mean",
          "names 'winsorize' more than once; each stage once, e.g. 'winsorize+nnm+trimmed_mean'"),
     ],

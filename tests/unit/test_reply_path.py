@@ -876,9 +876,10 @@ class _FlakyNetwork(_Network):
                 self.running -= 1
 
 
-def test_a_pull_the_superlink_fails_is_tried_again_and_loses_no_reply(caplog: pytest.LogCaptureFixture) -> None:
-    """A SuperLink's 500 (its state database locked) or a dropped connection while pulling is the transport's
-    failure, not the round's: the pull is tried again after a backoff, every reply counts, and it is said once."""
+def test_a_pull_the_superlink_fails_is_tried_again(caplog: pytest.LogCaptureFixture) -> None:
+    """A SuperLink's 500 (its state database locked) or a dropped connection while pulling, before any reply
+    was handed out, is the transport's failure, not the round's: the pull is tried again after a backoff,
+    every reply counts, and it is said once."""
     import httpx
 
     from fedrobust.strategies.collect import push_and_collect
@@ -899,10 +900,13 @@ def test_a_pull_the_superlink_fails_is_tried_again_and_loses_no_reply(caplog: py
                               "trying again in 0.5 s")
     assert said[-1] == "pulling replies works again after 2 failed tries"
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
-    # An error of the code, not of the transport, ends the round as it is.
-    network = _FlakyNetwork(dict(replies_at), [TypeError("a bug")])
-    with pytest.raises(TypeError, match="a bug"):
-        push_and_collect(network, instructions, timeout=10.0)  # type: ignore[arg-type]
+    # An error of the code, or a refusal that asking again does not change, ends the round as it is.
+    forbidden = httpx.HTTPStatusError("Client error '403 Forbidden'", request=request,
+                                      response=httpx.Response(403, request=request))
+    for error in (TypeError("a bug"), forbidden):
+        network = _FlakyNetwork(dict(replies_at), [error])
+        with pytest.raises(type(error)):
+            push_and_collect(network, instructions, timeout=10.0)  # type: ignore[arg-type]
 
 
 def test_slow_pulls_are_held_two_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
