@@ -19,7 +19,8 @@ server is stopped, each stop followed by a resume of the same command:
 4. SIGKILL to the whole process tree at a random moment, possibly while a round's checkpoint is written
    (from here on a checkpoint after every round); the newest checkpoint is then corrupted.
 5. The last resume must detect that, fall back to the checkpoint before it and still end with final
-   model bytes identical to the reference run's, with no leftovers of the killed writer.
+   model bytes identical to the reference run's, with no leftovers of the killed writer and the corrupt
+   checkpoint kept aside (`aside-<time>-round-*`).
 
 The run carries state beyond the model: the server's FedAdam moments, and its clients' own memory (the
 ``stale`` attack keeps the update it captured in round 1 in its node's ``Context.state`` and replays it;
@@ -153,7 +154,7 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         kept = rounds_on_disk(ckpt)
         assert kept and max(kept) > stopped_at
 
-        # 5. Corrupt the newest checkpoint: the resume must detect it and use the one before.
+        # 5. Corrupt the newest checkpoint: the resume must detect it, keep it aside and use the one before.
         newest = ckpt / f"round-{max(kept):06d}" / "tensors.safetensors"
         data = bytearray(newest.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -167,7 +168,10 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         assert log.count(f"[round  {ROUNDS}/{ROUNDS}]") == 1 and log.count("final accuracy") == 1, fifth.tail()
         assert "DEPRECATED FEATURE" not in log, fifth.tail()
         assert (run_dir / "final_model.safetensors").read_bytes() == reference.result()
-        assert committed(ckpt) == ROUNDS  # the killed writer's leftovers were cleaned up
+        # The killed writer's leftovers were cleaned up; the corrupt checkpoint is kept aside, as it was.
+        assert committed(ckpt, kept_aside=1) == ROUNDS
+        aside = next(ckpt.glob(f"aside-*-round-{max(kept):06d}"))
+        assert (aside / "tensors.safetensors").read_bytes() == bytes(data)
 
 
 @pytest.mark.slow(seconds=25)

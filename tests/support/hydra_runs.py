@@ -121,9 +121,13 @@ def rounds_on_disk(ckpt_dir: Path) -> list[int]:
     return [int(p.name.split("-")[1]) for p in dirs]
 
 
-def committed(ckpt_dir: Path) -> int:
-    """The newest round, after checking that every entry is a complete checkpoint and the newest verifies."""
+def committed(ckpt_dir: Path, kept_aside: int = 0) -> int:
+    """The newest round, after checking that every entry is a complete checkpoint (or one of the
+    ``kept_aside`` checkpoints a resume found corrupt and moved aside) and the newest verifies."""
     entries = sorted(p.name for p in ckpt_dir.iterdir() if p.name != LOCK_FILE)  # the run's lock stays, by design
+    aside = [name for name in entries if name.startswith("aside-")]
+    assert len(aside) == kept_aside, f"checkpoints kept aside: {aside}"
+    entries = [name for name in entries if name not in aside]
     assert all(name.startswith("round-") for name in entries), f"half-written or leftover entries: {entries}"
     rounds = rounds_on_disk(ckpt_dir)
     newest = CheckpointStore(str(ckpt_dir)).latest_valid()
