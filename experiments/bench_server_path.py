@@ -80,15 +80,15 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from fedrobust import aggregators
+from fedrobust.strategies.reply_arrays import array_views
 from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
 from fedrobust.validation import check_num_examples
-from strategies.reply_arrays import array_views
 
 if TYPE_CHECKING:
     from flwr.serverapp import Grid
 
-    from strategies.robust_strategy import RobustStrategy
+    from fedrobust.strategies.robust_strategy import RobustStrategy
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def robust_strategy(
     rule: str, n: int, f: int, state: dict[str, torch.Tensor], device: str = "cpu"
 ) -> tuple[RobustStrategy, list[Message]]:
     """The real ``RobustStrategy`` after ``configure_train`` (it needs the global model it sent)."""
-    from strategies.robust_strategy import RobustStrategy
+    from fedrobust.strategies.robust_strategy import RobustStrategy
 
     strategy = RobustStrategy(
         aggregator=rule, num_byzantine=f, min_train_nodes=n, progress=False, aggregation_device=device

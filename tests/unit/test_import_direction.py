@@ -76,3 +76,15 @@ def test_strategies_and_clients_import_neither_each_other_nor_the_experiments(
     seen = _top_and_glue(_loaded_after_importing(layer))
     assert "flwr" in seen  # the glue is Flower's: the import really happened
     assert not seen & forbidden, seen & forbidden
+
+
+EXPERIMENTS = _modules(ROOT / "experiments", "experiments")
+
+
+def test_the_experiments_reach_the_glue_only_through_fedrobust() -> None:
+    # A bare ``import strategies...`` from the repository root loads a second copy of the module beside
+    # ``fedrobust.strategies...`` (docs/architecture.md: every import uses the fedrobust names), so an
+    # isinstance check or a module-level registry would see two different classes.
+    seen = _top_and_glue(_loaded_after_importing(EXPERIMENTS))
+    assert "fedrobust.strategies" in seen  # the experiments do use the glue
+    assert not seen & {"strategies", "clients"}, seen & {"strategies", "clients"}
