@@ -319,6 +319,7 @@ def run_child(entry: str, n: int, d_model: str, rounds: int, device: str = "cpu"
         exact_peak = reset_peak_rss()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        metrics: MetricRecord | None  # Flower's strategies return None where they aggregated nothing
         if entry.startswith("streamed:"):
             intake = strategy.open_round(1, [m.metadata.dst_node_id for m in instructions])
             intake.expect({m.metadata.message_id: m.metadata.dst_node_id for m in instructions})
