@@ -377,6 +377,8 @@ def test_a_sweep_job_that_fails_leaves_the_others_to_run_and_the_sweep_exits_1(t
     assert "fedrobust: 1 job of the sweep failed:" in res.stderr
     assert not (tmp_path / "0" / "final.json").exists()
     assert json.loads((tmp_path / "1" / "final.json").read_text())["rounds"] == 2
+    assert (tmp_path / "1" / "rounds.png").read_bytes().startswith(b"\x89PNG")  # the run's picture
+    assert not (tmp_path / "0" / "rounds.png").exists()
 
 
 @pytest.mark.slow

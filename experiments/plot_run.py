@@ -1,0 +1,141 @@
+"""One run's rounds as a picture: the model's accuracy above, what became of each round's replies below.
+
+    python -m experiments.plot_run outputs/2026-11-27/10-00-00            # writes rounds.png beside it
+    python -m experiments.plot_run path/to/metrics.jsonl --out rounds.png
+
+Reads the metrics rows every fedrobust run writes (a Hydra run's folder, the ``output_dir`` of ``flwr run``).
+A Hydra run (``experiments.run``) draws it at its end as ``rounds.png``. The lower panel stacks, per round,
+the replies the rule used, those a filter dropped or the rule gave no weight, those validation rejected and
+the sampled nodes that sent nothing in time: an attack shows as a band of filtered or excluded replies, a
+failing device as rejected or dropped ones, where the accuracy curve alone shows only the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PICTURE_FILE = "rounds.png"
+
+# (row key or derived count, label, colour), bottom to top of each round's bar.
+REPLY_KINDS = (
+    ("used", "used by the rule", "#4c9f50"),
+    ("filtered", "dropped by a filter", "#f0a030"),
+    ("excluded", "given no weight by the rule", "#8e63b5"),
+    ("rejected", "rejected by validation", "#d0453a"),
+    ("dropped", "no reply in time", "#9a9a9a"),
+)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of ``path`` (a metrics.jsonl, or a folder holding one), one per round: the last one written
+    for a round wins (a resumed run trains the rounds after its checkpoint again)."""
+    if path.is_dir():
+        path = path / METRICS_FILE
+    by_round: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as bad:
+            raise ValueError(f"{path}:{number}: not a JSON metrics row ({bad.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("round"), int):
+            raise ValueError(f"{path}:{number}: not a metrics row (no integer 'round')")
+        by_round[row["round"]] = row
+    if not by_round:
+        raise ValueError(f"{path}: no metrics rows (did the run finish a round?)")
+    return [by_round[r] for r in sorted(by_round)]
+
+
+def reply_counts(row: dict[str, Any]) -> dict[str, int]:
+    """What became of one round's replies, by :data:`REPLY_KINDS` key."""
+    filtered, excluded = int(row.get("filtered", 0)), int(row.get("excluded", 0))
+    return {
+        "used": max(0, int(row.get("accepted", 0)) - filtered - excluded),
+        "filtered": filtered,
+        "excluded": excluded,
+        "rejected": sum(int(v) for v in row.get("rejected", {}).values()),
+        "dropped": int(row.get("dropped", 0)),
+    }
+
+
+def _series(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
+    values = [row.get(key) for row in rows]
+    return [float(v) if isinstance(v, int | float) else math.nan for v in values]
+
+
+def plot_rounds(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Draw ``rows`` (as :func:`read_rows` returns them) into the PNG ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rounds = [row["round"] for row in rows]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]}, constrained_layout=True
+    )
+    curves = 0
+    for key, label, style in (
+        ("accuracy", "test accuracy", "-o"),
+        ("train_accuracy", "clients' training accuracy", "--"),
+        ("backdoor_asr", "backdoor success rate", "-x"),
+    ):
+        values = _series(rows, key)
+        if any(math.isfinite(v) for v in values):
+            top.plot(rounds, values, style, label=label, markersize=3)
+            curves += 1
+    rollbacks = _series(rows, "rollbacks")
+    for i in range(1, len(rows)):  # the count is the run's so far: a rise is a rollback in that round
+        if rollbacks[i] > rollbacks[i - 1]:
+            top.axvline(rounds[i], color="#d0453a", linestyle=":", linewidth=1)
+    top.set_ylabel("accuracy")
+    top.set_ylim(0.0, 1.02)
+    top.grid(alpha=0.3)
+    if curves:
+        top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    else:  # a ServerApp without evaluate_fn: say so rather than leave an empty panel unexplained
+        top.text(0.5, 0.5, "no evaluation in this run (no evaluate_fn)", ha="center", transform=top.transAxes)
+    top.set_title(f"{len(rows)} rounds" + (f", final accuracy {rows[-1]['accuracy']:.4f}"
+                                          if isinstance(rows[-1].get("accuracy"), int | float) else ""))
+
+    counts = [reply_counts(row) for row in rows]
+    base = [0] * len(rows)
+    for key, label, colour in REPLY_KINDS:
+        heights = [c[key] for c in counts]
+        if any(heights):
+            bottom.bar(rounds, heights, bottom=base, color=colour, label=label, width=0.8)
+            base = [b + h for b, h in zip(base, heights, strict=True)]
+    bottom.set_ylabel("replies")
+    bottom.set_xlabel("round")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, not on them
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.plot_run", description=__doc__.split("\n")[0])
+    parser.add_argument("metrics", type=Path, help=f"a run's {METRICS_FILE}, or the folder that holds it")
+    parser.add_argument("--out", type=Path, help=f"the PNG to write (default: {PICTURE_FILE} beside the metrics)")
+    args = parser.parse_args(argv)
+    try:
+        rows = read_rows(args.metrics)
+    except (OSError, ValueError) as problem:
+        parser.exit(2, f"plot_run: {problem}\n")
+    out = args.out or (args.metrics if args.metrics.is_dir() else args.metrics.parent) / PICTURE_FILE
+    plot_rounds(rows, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""experiments.plot_run: a run's metrics rows read back and drawn into a real PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experiments.plot_run import plot_rounds, read_rows, reply_counts
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _row(round_: int, accuracy: float, **counts: object) -> dict[str, object]:
+    row: dict[str, object] = {"round": round_, "accuracy": accuracy, "accepted": 10, "dropped": 0, "rejected": {},
+                              "rollbacks": 0}
+    return row | counts
+
+
+def _write(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_resumed_run_keeps_the_last_row_of_each_round_in_round_order(tmp_path: Path) -> None:
+    # A resume trains the rounds after its checkpoint again and appends their rows.
+    rows_written = [_row(1, 0.5), _row(2, 0.6), _row(3, 0.1), _row(3, 0.7), _row(2, 0.65)]
+    metrics = _write(tmp_path / "metrics.jsonl", rows_written)
+    rows = read_rows(tmp_path)  # the folder works as well as the file
+    assert [(r["round"], r["accuracy"]) for r in rows] == [(1, 0.5), (2, 0.65), (3, 0.7)]
+    assert read_rows(metrics) == rows
+
+
+def test_what_became_of_the_replies_adds_up_to_the_sampled_nodes() -> None:
+    row = _row(1, 0.9, accepted=14, filtered=2, excluded=3, dropped=1, rejected={"non_finite": 2, "bad_signature": 3})
+    counts = reply_counts(row)
+    assert counts == {"used": 9, "filtered": 2, "excluded": 3, "rejected": 5, "dropped": 1}
+    assert sum(counts.values()) == 20
+    # Rows written before filtering and exclusion were reported count every accepted reply as used.
+    assert reply_counts({"round": 1, "accepted": 7, "dropped": 2})["used"] == 7
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"round": 1, "accepted": 3}\nnot json\n', "metrics.jsonl:2: not a JSON metrics row"),
+        ('{"accepted": 3}\n', "metrics.jsonl:1: not a metrics row (no integer 'round')"),
+        ("\n", "no metrics rows"),
+    ],
+    ids=["bad-line", "no-round", "empty"],
+)
+def test_a_file_that_is_not_a_run_s_metrics_is_named_with_its_line(tmp_path: Path, content: str, message: str) -> None:
+    (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_rows(tmp_path / "metrics.jsonl")
+
+
+def test_the_picture_is_a_png_and_differs_when_the_replies_do(tmp_path: Path) -> None:
+    clean = [_row(r, 0.5 + 0.1 * r) for r in range(1, 4)]
+    attacked = [_row(r, 0.5 + 0.1 * r, accepted=10, filtered=4, rollbacks=int(r > 2)) for r in range(1, 4)]
+    plot_rounds(clean, tmp_path / "clean.png")
+    plot_rounds(attacked, tmp_path / "attacked.png")
+    first, second = (tmp_path / "clean.png").read_bytes(), (tmp_path / "attacked.png").read_bytes()
+    assert first.startswith(b"\x89PNG") and second.startswith(b"\x89PNG")
+    assert first != second  # the filtered band and the rollback line are drawn
+
+
+def test_the_command_writes_beside_the_metrics_and_refuses_a_missing_file(tmp_path: Path) -> None:
+    _write(tmp_path / "metrics.jsonl", [_row(1, 0.8), _row(2, 0.9)])
+    done = subprocess.run([sys.executable, "-m", "experiments.plot_run", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "rounds.png").read_bytes().startswith(b"\x89PNG")
+    missing = subprocess.run([sys.executable, "-m", "experiments.plot_run", str(tmp_path / "nowhere.jsonl")],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "plot_run:" in missing.stderr and "nowhere.jsonl" in missing.stderr
+
+
+@pytest.mark.filterwarnings("error")  # matplotlib warns about a legend with nothing in it
+def test_rows_without_an_evaluation_still_draw(tmp_path: Path) -> None:
+    # A ServerApp without evaluate_fn writes no accuracy: the replies panel alone says what happened.
+    rows = [{"round": r, "accepted": 4, "dropped": 1, "rejected": {"unknown_key": 1}, "rollbacks": r - 1}
+            for r in (1, 2)]
+    plot_rounds(rows, tmp_path / "rounds.png")
+    assert (tmp_path / "rounds.png").read_bytes().startswith(b"\x89PNG")
