@@ -302,5 +302,5 @@ def run_inprocess(
         grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat(), nodes=nodes)
         with _server_identity(grid.run.run_id):
             run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg, on_craft), on_strategy=on_strategy,
-                           progress=echo)
+                           progress=echo, picture=False)  # thousands of study runs: no picture each
         return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

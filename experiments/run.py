@@ -434,20 +434,7 @@ def main(cfg: DictConfig) -> float:
         _exit_failed(failed)
     final = rows[-1]["accuracy"] if rows else float("nan")
     (out_dir / "final.json").write_text(json.dumps({"accuracy": final, "rounds": len(rows)}))
-    _draw_rounds(rows, out_dir)
     return final
-
-
-def _draw_rounds(rows: list[dict[str, Any]], out_dir: Path) -> None:
-    """``rounds.png`` beside the metrics; a picture that cannot be drawn costs a warning, not the finished run."""
-    if not rows:
-        return
-    from experiments.plot_run import PICTURE_FILE, plot_rounds
-
-    try:
-        plot_rounds(rows, out_dir / PICTURE_FILE)
-    except (OSError, ValueError) as problem:
-        log.warning("no %s: %s", PICTURE_FILE, problem)
 
 
 # SIGTERM and SIGINT that came before the run's own handlers went in (while Python imports torch, Hydra

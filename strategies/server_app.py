@@ -125,10 +125,12 @@ def run_experiment(
     update_hook: UpdateHook | None = None,
     on_strategy: Callable[[RobustStrategy], None] | None = None,
     progress: bool = True,
+    picture: bool = True,
 ) -> Result:
     """Train ``cfg`` on ``grid`` with its strategy; write metrics, the final model and the summary to ``out_dir``.
 
-    ``on_strategy`` sees the strategy before it starts (e.g. to wire a stop request to it).
+    ``on_strategy`` sees the strategy before it starts (e.g. to wire a stop request to it). With ``picture``,
+    the rounds are drawn into ``rounds.png`` at the end (:mod:`fedrobust.plot`).
     """
     validate(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +154,19 @@ def run_experiment(
     partial = final.with_name(final.name + ".partial")
     partial.write_bytes(safetensors_bytes(state))
     os.replace(partial, final)
+    if picture:
+        _draw_rounds(out_dir)
     return result
+
+
+def _draw_rounds(out_dir: Path) -> None:
+    """``rounds.png`` beside ``metrics.jsonl``; one that cannot be drawn costs a warning, not the finished run."""
+    from fedrobust.plot import METRICS_FILE, PICTURE_FILE, plot_rounds, read_rows
+
+    try:
+        plot_rounds(read_rows(out_dir / METRICS_FILE), out_dir / PICTURE_FILE)
+    except (OSError, ValueError) as problem:
+        log.warning("no %s: %s", PICTURE_FILE, problem)
 
 
 def seed_keys_on_a_deployment(grid: Grid, cfg: RunConfig) -> bool:

@@ -414,6 +414,7 @@ def test_deployment_signed_drill_with_forger_byzantine_and_killed_node(tmp_path:
     assert f"rejected: node {node_ids[BYZANTINE]}: {NON_FINITE}" in output, report
     assert f"dropped: node {node_ids[KILLED]}" in output, report
     assert (out / "final_model.safetensors").stat().st_size > 0
+    assert (out / "rounds.png").read_bytes().startswith(b"\x89PNG")  # the run's picture, drawn by the ServerApp
     rounds = ", ".join(f"round {r['round']} {r['seconds_train']:.1f}s" for r in rows)
     print(
         f"deployment test: setup {setup_seconds:.1f}s, signed drill flwr run {run_seconds:.1f}s ({rounds}), "

@@ -1,13 +1,14 @@
 """One run's rounds as a picture: the model's accuracy above, what became of each round's replies below.
 
-    python -m experiments.plot_run outputs/2026-11-27/10-00-00            # writes rounds.png beside it
-    python -m experiments.plot_run path/to/metrics.jsonl --out rounds.png
+    python -m fedrobust.plot outputs/2026-11-27/10-00-00            # writes rounds.png beside it
+    python -m fedrobust.plot path/to/metrics.jsonl --out rounds.png
 
-Reads the metrics rows every fedrobust run writes (a Hydra run's folder, the ``output_dir`` of ``flwr run``).
-A Hydra run (``experiments.run``) draws it at its end as ``rounds.png``. The lower panel stacks, per round,
-the replies the rule used, those a filter dropped or the rule gave no weight, those validation rejected and
-the sampled nodes that sent nothing in time: an attack shows as a band of filtered or excluded replies, a
-failing device as rejected or dropped ones, where the accuracy curve alone shows only the result.
+Reads the metrics rows a run writes (``RobustStrategy(metrics_path=...)``; a Hydra run's folder, the
+``output_dir`` of ``flwr run``). fedrobust's own ServerApp draws it at the end of a run as ``rounds.png``.
+The lower panel stacks, per round, the replies the rule used, those a filter dropped or the rule gave no
+weight, those validation rejected and the sampled nodes that sent nothing in time: an attack shows as a
+band of filtered or excluded replies, a failing device as rejected or dropped ones, where the accuracy
+curve alone shows only the result.
 """
 
 from __future__ import annotations
@@ -72,16 +73,14 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
 
 def plot_rounds(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Draw ``rows`` (as :func:`read_rows` returns them) into the PNG ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, without pyplot: no backend switched and no global figure state touched in the
+    # caller's process (a notebook, a ServerApp).
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     rounds = [row["round"] for row in rows]
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(10, 6), sharex=True, gridspec_kw={"height_ratios": [3, 2]}, constrained_layout=True
-    )
+    fig = Figure(figsize=(10, 6), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     curves = 0
     for key, label, style in (
         ("accuracy", "test accuracy", "-o"),
@@ -119,18 +118,17 @@ def plot_rounds(rows: Sequence[dict[str, Any]], path: Path) -> None:
     bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, not on them
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.plot_run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fedrobust.plot", description=__doc__.split("\n")[0])
     parser.add_argument("metrics", type=Path, help=f"a run's {METRICS_FILE}, or the folder that holds it")
     parser.add_argument("--out", type=Path, help=f"the PNG to write (default: {PICTURE_FILE} beside the metrics)")
     args = parser.parse_args(argv)
     try:
         rows = read_rows(args.metrics)
     except (OSError, ValueError) as problem:
-        parser.exit(2, f"plot_run: {problem}\n")
+        parser.exit(2, f"fedrobust.plot: {problem}\n")
     out = args.out or (args.metrics if args.metrics.is_dir() else args.metrics.parent) / PICTURE_FILE
     plot_rounds(rows, out)
     print(f"wrote {out}")

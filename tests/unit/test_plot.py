@@ -1,4 +1,4 @@
-"""experiments.plot_run: a run's metrics rows read back and drawn into a real PNG."""
+"""fedrobust.plot: a run's metrics rows read back and drawn into a real PNG."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.plot_run import plot_rounds, read_rows, reply_counts
+from fedrobust.plot import plot_rounds, read_rows, reply_counts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,13 +70,13 @@ def test_the_picture_is_a_png_and_differs_when_the_replies_do(tmp_path: Path) ->
 
 def test_the_command_writes_beside_the_metrics_and_refuses_a_missing_file(tmp_path: Path) -> None:
     _write(tmp_path / "metrics.jsonl", [_row(1, 0.8), _row(2, 0.9)])
-    done = subprocess.run([sys.executable, "-m", "experiments.plot_run", str(tmp_path)], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "fedrobust.plot", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "rounds.png").read_bytes().startswith(b"\x89PNG")
-    missing = subprocess.run([sys.executable, "-m", "experiments.plot_run", str(tmp_path / "nowhere.jsonl")],
+    missing = subprocess.run([sys.executable, "-m", "fedrobust.plot", str(tmp_path / "nowhere.jsonl")],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "plot_run:" in missing.stderr and "nowhere.jsonl" in missing.stderr
+    assert missing.returncode == 2 and "fedrobust.plot:" in missing.stderr and "nowhere.jsonl" in missing.stderr
 
 
 @pytest.mark.filterwarnings("error")  # matplotlib warns about a legend with nothing in it
