@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,17 +108,30 @@ def plot_rounds(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
     counts = [reply_counts(row) for row in rows]
     base = [0] * len(rows)
+    kinds = 0
     for key, label, colour in REPLY_KINDS:
         heights = [c[key] for c in counts]
         if any(heights):
             bottom.bar(rounds, heights, bottom=base, color=colour, label=label, width=0.8)
             base = [b + h for b, h in zip(base, heights, strict=True)]
+            kinds += 1
     bottom.set_ylabel("replies")
     bottom.set_xlabel("round")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
-    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, not on them
+    if kinds:
+        bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, not on them
     fig.savefig(path, dpi=110)
+
+
+def draw(metrics: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """Draw the run whose ``metrics`` (its metrics.jsonl, or the folder holding it) into ``out`` (default:
+    ``rounds.png`` beside the metrics); returns the picture's path. Raises ValueError for a file that holds
+    no metrics rows, OSError for one that cannot be read or written."""
+    metrics = Path(metrics)
+    target = Path(out) if out is not None else (metrics if metrics.is_dir() else metrics.parent) / PICTURE_FILE
+    plot_rounds(read_rows(metrics), target)
+    return target
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,11 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help=f"the PNG to write (default: {PICTURE_FILE} beside the metrics)")
     args = parser.parse_args(argv)
     try:
-        rows = read_rows(args.metrics)
+        out = draw(args.metrics, args.out)
     except (OSError, ValueError) as problem:
         parser.exit(2, f"fedrobust.plot: {problem}\n")
-    out = args.out or (args.metrics if args.metrics.is_dir() else args.metrics.parent) / PICTURE_FILE
-    plot_rounds(rows, out)
     print(f"wrote {out}")
     return 0
 

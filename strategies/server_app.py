@@ -161,12 +161,12 @@ def run_experiment(
 
 def _draw_rounds(out_dir: Path) -> None:
     """``rounds.png`` beside ``metrics.jsonl``; one that cannot be drawn costs a warning, not the finished run."""
-    from fedrobust.plot import METRICS_FILE, PICTURE_FILE, plot_rounds, read_rows
+    from fedrobust import plot
 
     try:
-        plot_rounds(read_rows(out_dir / METRICS_FILE), out_dir / PICTURE_FILE)
+        plot.draw(out_dir / plot.METRICS_FILE)
     except (OSError, ValueError) as problem:
-        log.warning("no %s: %s", PICTURE_FILE, problem)
+        log.warning("no %s: %s", plot.PICTURE_FILE, problem)
 
 
 def seed_keys_on_a_deployment(grid: Grid, cfg: RunConfig) -> bool:

@@ -147,6 +147,9 @@ def test_quickstart_robust_example_trains_under_flwr_run(tmp_path: Path) -> None
     history = json.loads((out / "history.json").read_text())
     assert sorted(int(r) for r in history) == [0, 1, 2, 3], history
     assert history["3"]["accuracy"] > max(0.5, history["0"]["accuracy"] + 0.3), history  # it trains
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and all(r["accepted"] == 4 for r in rows), rows
+    assert (out / "rounds.png").read_bytes().startswith(b"\x89PNG")  # the user's app drew its rounds
     assert res.stdout.count("[round   3/3]") == 1, report  # per-round progress reaches the operator's stream, once
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("round-"))[-1] == "round-000003"
 

@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedrobust import RobustStrategy
+from fedrobust import RobustStrategy, plot
 from quickstart_robust.task import Net, load_centralized_dataset
 from quickstart_robust.task import test as test_fn
 
@@ -19,12 +19,14 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     config = context.run_config
+    out = Path(str(config["output-dir"])) if config["output-dir"] else None
     strategy = RobustStrategy(
         aggregator=str(config["aggregator"]),
         num_byzantine=int(config["num-byzantine"]),
         fraction_train=float(config["fraction-train"]),
         max_update_norm=50.0,
         checkpoint_dir=str(config["checkpoint-dir"]) or None,
+        metrics_path=out / "metrics.jsonl" if out else None,  # one row per round: what became of each reply
     )
     result = strategy.start(
         grid=grid,
@@ -32,12 +34,12 @@ def main(grid: Grid, context: Context) -> None:
         num_rounds=int(config["num-server-rounds"]),
         evaluate_fn=global_evaluate,
     )
-    if config["output-dir"]:
-        out = Path(str(config["output-dir"]))
+    if out:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(result.arrays.to_torch_state_dict(), out / "final_model.pt")
         history = {r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()}
         (out / "history.json").write_text(json.dumps(history, indent=1))
+        plot.draw(out / "metrics.jsonl")  # rounds.png: accuracy per round, and each round's replies
 
 
 def global_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
