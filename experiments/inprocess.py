@@ -269,8 +269,10 @@ def run_inprocess(
     on_strategy: Callable[[RobustStrategy], None] | None = None,
     nodes: Mapping[int, Mapping[str, Any]] | None = None,
     on_craft: CraftObserver | None = None,
+    picture: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run ``cfg`` with ``cfg.num_clients`` in-process nodes; return the metrics rows.
+    """Run ``cfg`` with ``cfg.num_clients`` in-process nodes; return the metrics rows (``picture``: and draw
+    them into ``rounds.png``, as fedrobust's own ServerApp does; the study's thousands of runs do not).
 
     The server side is :func:`fedrobust.strategies.server_app.run_experiment` with the
     omniscient adversary hook of :mod:`experiments.adversary`, as ``experiments/simulate.py``
@@ -302,5 +304,5 @@ def run_inprocess(
         grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat(), nodes=nodes)
         with _server_identity(grid.run.run_id):
             run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg, on_craft), on_strategy=on_strategy,
-                           progress=echo, picture=False)  # thousands of study runs: no picture each
+                           progress=echo, picture=picture)
         return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]

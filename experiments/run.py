@@ -4,8 +4,8 @@
     python -m experiments.run aggregator=krum num_rounds=10    # override anything
     python -m experiments.run -m aggregator=median,krum seed=0,1   # a sweep
 
-Metrics (metrics.jsonl), the resolved config and the final model land in Hydra's
-run directory.
+Metrics (metrics.jsonl), the resolved config, the final model and the rounds' picture (rounds.png) land
+in Hydra's run directory.
 
 Exit codes: 0 done; 1 the run could not train (no nodes, no quorum, every client failing) or
 refused to resume from its checkpoints (other settings, none valid), with a one-line reason; 2 an

@@ -66,12 +66,13 @@ __all__ = [
     "aggregators",
     "attacks",
     "partition_query",
+    "plot",
     "signing_mod",
     "strategy_from_config",
 ]
 
 if TYPE_CHECKING:
-    from fedrobust import aggregators, attacks
+    from fedrobust import aggregators, attacks, plot
     from fedrobust.checkpoint import CheckpointStore
     from fedrobust.clients.partition_query import partition_query
     from fedrobust.clients.signing_mod import signing_mod
@@ -91,7 +92,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("aggregators", "attacks"):
+    if name in ("aggregators", "attacks", "plot"):
         return importlib.import_module(f"fedrobust.{name}")
     module = _EXPORTS.get(name)
     if module is None:

@@ -6,9 +6,9 @@
 Reads the metrics rows a run writes (``RobustStrategy(metrics_path=...)``; a Hydra run's folder, the
 ``output_dir`` of ``flwr run``). fedrobust's own ServerApp draws it at the end of a run as ``rounds.png``.
 The lower panel stacks, per round, the replies the rule used, those a filter dropped or the rule gave no
-weight, those validation rejected and the sampled nodes that sent nothing in time: an attack shows as a
-band of filtered or excluded replies, a failing device as rejected or dropped ones, where the accuracy
-curve alone shows only the result.
+weight, those validation rejected and the sampled nodes that sent no reply (a time-out, a client error):
+an attack shows as a band of filtered or excluded replies, a failing device as rejected or dropped ones,
+where the accuracy curve alone shows only the result.
 """
 
 from __future__ import annotations
@@ -19,10 +19,14 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 METRICS_FILE = "metrics.jsonl"
 PICTURE_FILE = "rounds.png"
+MARKED_ROUNDS = 60  # runs up to this long get a marker per round on their curves
 
 # (row key or derived count, label, colour), bottom to top of each round's bar.
 REPLY_KINDS = (
@@ -30,13 +34,13 @@ REPLY_KINDS = (
     ("filtered", "dropped by a filter", "#f0a030"),
     ("excluded", "given no weight by the rule", "#8e63b5"),
     ("rejected", "rejected by validation", "#d0453a"),
-    ("dropped", "no reply in time", "#9a9a9a"),
+    ("dropped", "no reply (time-out, client error)", "#9a9a9a"),
 )
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of ``path`` (a metrics.jsonl, or a folder holding one), one per round: the last one written
-    for a round wins (a resumed run trains the rounds after its checkpoint again)."""
+    """The rows of ``path`` (a metrics.jsonl, or a folder holding one), one per round in round order; should a
+    round appear twice (files put together by hand), its last row counts."""
     if path.is_dir():
         path = path / METRICS_FILE
     by_round: dict[int, dict[str, Any]] = {}
@@ -74,6 +78,11 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
 
 def plot_rounds(rows: Sequence[dict[str, Any]], path: Path) -> None:
     """Draw ``rows`` (as :func:`read_rows` returns them) into the PNG ``path``."""
+    rounds_figure(rows).savefig(path, dpi=110)
+
+
+def rounds_figure(rows: Sequence[dict[str, Any]]) -> Figure:
+    """The picture of ``rows``: accuracy curves above, the reply counts stacked below."""
     # A Figure of its own, without pyplot: no backend switched and no global figure state touched in the
     # caller's process (a notebook, a ServerApp).
     from matplotlib.figure import Figure
@@ -90,38 +99,47 @@ def plot_rounds(rows: Sequence[dict[str, Any]], path: Path) -> None:
     ):
         values = _series(rows, key)
         if any(math.isfinite(v) for v in values):
-            top.plot(rounds, values, style, label=label, markersize=3)
+            # Markers only while they stay apart; a long run's curve is a line.
+            top.plot(rounds, values, style if len(rows) <= MARKED_ROUNDS else style.strip("ox"), label=label,
+                     markersize=3)
             curves += 1
     rollbacks = _series(rows, "rollbacks")
-    for i in range(1, len(rows)):  # the count is the run's so far: a rise is a rollback in that round
-        if rollbacks[i] > rollbacks[i - 1]:
+    for i, count in enumerate(rollbacks):  # the run's count so far: a rise is a rollback in that round
+        if count > (rollbacks[i - 1] if i else 0):
             top.axvline(rounds[i], color="#d0453a", linestyle=":", linewidth=1)
     top.set_ylabel("accuracy")
     top.set_ylim(0.0, 1.02)
     top.grid(alpha=0.3)
     if curves:
         top.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    else:  # a ServerApp without evaluate_fn: say so rather than leave an empty panel unexplained
-        top.text(0.5, 0.5, "no evaluation in this run (no evaluate_fn)", ha="center", transform=top.transAxes)
-    top.set_title(f"{len(rows)} rounds" + (f", final accuracy {rows[-1]['accuracy']:.4f}"
-                                          if isinstance(rows[-1].get("accuracy"), int | float) else ""))
+    else:  # e.g. a ServerApp without evaluate_fn: say so rather than leave an empty panel unexplained
+        top.text(0.5, 0.5, "no accuracy in the metrics rows (evaluate_fn)", ha="center", transform=top.transAxes)
+    final = rows[-1].get("accuracy")
+    top.set_title(f"{len(rows)} round{'s' if len(rows) != 1 else ''}"
+                  + (f", final accuracy {final:.4f}" if isinstance(final, int | float) else ""))
 
-    counts = [reply_counts(row) for row in rows]
-    base = [0] * len(rows)
+    # One filled step curve per kind over every round from the first to the last (a round without a row,
+    # 0): one artist however long the run, where a bar per round and kind takes a minute at 10,000 rounds.
+    span = range(rounds[0], rounds[-1] + 1)
+    edges = [r - 0.5 for r in span] + [rounds[-1] + 0.5]
+    counts = {row["round"]: reply_counts(row) for row in rows}
+    base = [0] * len(span)
     kinds = 0
     for key, label, colour in REPLY_KINDS:
-        heights = [c[key] for c in counts]
+        heights = [counts[r][key] if r in counts else 0 for r in span]
         if any(heights):
-            bottom.bar(rounds, heights, bottom=base, color=colour, label=label, width=0.8)
-            base = [b + h for b, h in zip(base, heights, strict=True)]
+            stacked = [b + h for b, h in zip(base, heights, strict=True)]
+            bottom.stairs(stacked, edges, baseline=base, fill=True, color=colour, label=label)
+            base = stacked
             kinds += 1
     bottom.set_ylabel("replies")
     bottom.set_xlabel("round")
+    bottom.set_xlim(edges[0], edges[-1])
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     if kinds:
-        bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bars, not on them
-    fig.savefig(path, dpi=110)
+        bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bands, not on them
+    return fig
 
 
 def draw(metrics: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:

@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 from safetensors.torch import save as safetensors_bytes
 
-from fedrobust import attacks
+from fedrobust import attacks, plot
 from fedrobust.checkpoint import CheckpointMismatchError
 from fedrobust.config import ConfigError, RunConfig, from_flat
 from fedrobust.data import DataUnavailableError
@@ -134,6 +134,8 @@ def run_experiment(
     """
     validate(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if picture:  # an earlier run's picture in a reused output_dir must not pass for this run's
+        (out_dir / plot.PICTURE_FILE).unlink(missing_ok=True)
     attackers = sorted(byzantine_partitions(cfg))
     if attackers:  # so that the rounds' rejected, filtered and excluded nodes can be read against them
         log.info("attack %s played by partitions %s", cfg.attack.name, ", ".join(map(str, attackers)))
@@ -161,12 +163,10 @@ def run_experiment(
 
 def _draw_rounds(out_dir: Path) -> None:
     """``rounds.png`` beside ``metrics.jsonl``; one that cannot be drawn costs a warning, not the finished run."""
-    from fedrobust import plot
-
     try:
         plot.draw(out_dir / plot.METRICS_FILE)
-    except (OSError, ValueError) as problem:
-        log.warning("no %s: %s", plot.PICTURE_FILE, problem)
+    except Exception as problem:  # the model is written: whatever the picture's failure, only warn
+        log.warning("no %s: %s", plot.PICTURE_FILE, problem, exc_info=not isinstance(problem, OSError | ValueError))
 
 
 def seed_keys_on_a_deployment(grid: Grid, cfg: RunConfig) -> bool:

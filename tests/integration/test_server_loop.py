@@ -94,3 +94,22 @@ def test_same_config_and_seed_give_the_same_final_model_bytes(tmp_path: Path) ->
     other = small_config(tmp_path / "c", num_rounds=3, seed=1, **{"aggregator.name": "multikrum", "num_byzantine": 0})
     run_inprocess(other, Path(other.output_dir))
     assert (Path(other.output_dir) / "final_model.safetensors").read_bytes() != outputs[0]
+
+
+def test_the_run_s_picture_replaces_an_earlier_one_and_a_failure_to_draw_only_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fedrobust.strategies.server_app import _draw_rounds
+
+    cfg = small_config(tmp_path, num_rounds=2)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True)
+    (out / "rounds.png").write_bytes(b"an earlier run's picture")
+    run_inprocess(cfg, out, picture=True)
+    assert (out / "rounds.png").read_bytes().startswith(b"\x89PNG")
+
+    # Rows the plot cannot read (here: rejected counts that are no mapping) cost a warning, not the run.
+    (out / "metrics.jsonl").write_text('{"round": 1, "accepted": 3, "rejected": [1]}\n')
+    with caplog.at_level("WARNING"):
+        _draw_rounds(out)
+    assert "no rounds.png:" in caplog.text

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedrobust.plot import plot_rounds, read_rows, reply_counts
+from fedrobust.plot import plot_rounds, read_rows, reply_counts, rounds_figure
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,8 +25,7 @@ def _write(path: Path, rows: list[dict[str, object]]) -> Path:
     return path
 
 
-def test_a_resumed_run_keeps_the_last_row_of_each_round_in_round_order(tmp_path: Path) -> None:
-    # A resume trains the rounds after its checkpoint again and appends their rows.
+def test_rows_come_in_round_order_and_a_repeated_round_s_last_row_counts(tmp_path: Path) -> None:
     rows_written = [_row(1, 0.5), _row(2, 0.6), _row(3, 0.1), _row(3, 0.7), _row(2, 0.65)]
     metrics = _write(tmp_path / "metrics.jsonl", rows_written)
     rows = read_rows(tmp_path)  # the folder works as well as the file
@@ -60,12 +59,32 @@ def test_a_file_that_is_not_a_run_s_metrics_is_named_with_its_line(tmp_path: Pat
 
 def test_the_picture_is_a_png_and_differs_when_the_replies_do(tmp_path: Path) -> None:
     clean = [_row(r, 0.5 + 0.1 * r) for r in range(1, 4)]
-    attacked = [_row(r, 0.5 + 0.1 * r, accepted=10, filtered=4, rollbacks=int(r > 2)) for r in range(1, 4)]
+    attacked = [_row(r, 0.5 + 0.1 * r, accepted=10, filtered=4) for r in range(1, 4)]
     plot_rounds(clean, tmp_path / "clean.png")
     plot_rounds(attacked, tmp_path / "attacked.png")
     first, second = (tmp_path / "clean.png").read_bytes(), (tmp_path / "attacked.png").read_bytes()
     assert first.startswith(b"\x89PNG") and second.startswith(b"\x89PNG")
-    assert first != second  # the filtered band and the rollback line are drawn
+    assert first != second  # the filtered band is drawn
+
+
+@pytest.mark.parametrize("rolled_back", [1, 3], ids=["first-round", "later-round"])
+def test_a_rollback_is_marked_in_its_round(tmp_path: Path, rolled_back: int) -> None:
+    # rollbacks counts the run's rollbacks so far: the round where it rises had one, the first round too.
+    rows = [_row(r, 0.5 + 0.1 * r) for r in range(1, 5)]
+    plot_rounds(rows, tmp_path / "none.png")
+    marked = [r | {"rollbacks": int(r["round"] >= rolled_back)} for r in rows]
+    plot_rounds(marked, tmp_path / "marked.png")
+    assert (tmp_path / "marked.png").read_bytes() != (tmp_path / "none.png").read_bytes()
+
+
+def test_a_long_run_is_one_band_per_kind_of_reply(tmp_path: Path) -> None:
+    # A bar per round and kind made a 10,000-round run's picture take about a minute at the end of the run.
+    rows = [_row(r, 0.9, accepted=18, filtered=2, dropped=r % 3) for r in range(1, 5001)]
+    replies = rounds_figure(rows).axes[1]
+    assert len(replies.patches) == 3  # used, filtered, dropped
+    assert len(rounds_figure(rows[:3]).axes[1].patches) == 3  # as for a short run
+    plot_rounds(rows, tmp_path / "long.png")
+    assert (tmp_path / "long.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_command_writes_beside_the_metrics_and_refuses_a_missing_file(tmp_path: Path) -> None:

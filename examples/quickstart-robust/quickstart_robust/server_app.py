@@ -39,7 +39,10 @@ def main(grid: Grid, context: Context) -> None:
         torch.save(result.arrays.to_torch_state_dict(), out / "final_model.pt")
         history = {r: dict(m) for r, m in result.evaluate_metrics_serverapp.items()}
         (out / "history.json").write_text(json.dumps(history, indent=1))
-        plot.draw(out / "metrics.jsonl")  # rounds.png: accuracy per round, and each round's replies
+        try:  # rounds.png: accuracy per round, and what became of each round's replies
+            plot.draw(out / "metrics.jsonl")
+        except (OSError, ValueError) as problem:  # e.g. no round was trained: the run itself is fine
+            print(f"no rounds.png: {problem}")
 
 
 def global_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
