@@ -135,7 +135,7 @@ def rounds_figure(rows: Sequence[dict[str, Any]]) -> Figure:
     bottom.set_ylabel("replies")
     bottom.set_xlabel("round")
     bottom.set_xlim(edges[0], edges[-1])
-    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no 0.1 steps for one round
     bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     if kinds:
         bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bands, not on them
