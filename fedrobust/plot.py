@@ -28,7 +28,7 @@ METRICS_FILE = "metrics.jsonl"
 PICTURE_FILE = "rounds.png"
 MARKED_ROUNDS = 60  # runs up to this long get a marker per round on their curves
 
-# (row key or derived count, label, colour), bottom to top of each round's bar.
+# (row key or derived count, label, colour), bottom to top of the stacked bands.
 REPLY_KINDS = (
     ("used", "used by the rule", "#4c9f50"),
     ("filtered", "dropped by a filter", "#f0a030"),
