@@ -8,7 +8,8 @@ Reads the metrics rows a run writes (``RobustStrategy(metrics_path=...)``; a Hyd
 The lower panel stacks, per round, the replies the rule used, those a filter dropped or the rule gave no
 weight, those validation rejected and the sampled nodes that sent no reply (a time-out, a client error):
 an attack shows as a band of filtered or excluded replies, a failing device as rejected or dropped ones,
-where the accuracy curve alone shows only the result.
+where the accuracy curve alone shows only the result. A round that took more than one attempt (too few
+valid replies, or a rollback) is marked above its bands, which count its last attempt's replies.
 """
 
 from __future__ import annotations
@@ -53,10 +54,30 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}:{number}: not a JSON metrics row ({bad.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("round"), int):
             raise ValueError(f"{path}:{number}: not a metrics row (no integer 'round')")
+        problem = _count_problem(row)
+        if problem:
+            raise ValueError(f"{path}:{number}: not a metrics row ({problem})")
         by_round[row["round"]] = row
     if not by_round:
         raise ValueError(f"{path}: no metrics rows (did the run finish a round?)")
     return [by_round[r] for r in sorted(by_round)]
+
+
+COUNT_KEYS = ("accepted", "filtered", "excluded", "dropped", "attempts")
+
+
+def _count_problem(row: dict[str, Any]) -> str | None:
+    """Why the counts drawn from ``row`` cannot be read (a hand-edited or foreign file), or None."""
+    for key in COUNT_KEYS:
+        value = row.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{key!r} is {value!r}, not a count"
+    rejected = row.get("rejected", {})
+    if not isinstance(rejected, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in rejected.values()
+    ):
+        return f"'rejected' is {rejected!r}, not a count per reason"
+    return None
 
 
 def reply_counts(row: dict[str, Any]) -> dict[str, int]:
@@ -122,7 +143,8 @@ def rounds_figure(rows: Sequence[dict[str, Any]]) -> Figure:
     # 0): one artist however long the run, where a bar per round and kind takes a minute at 10,000 rounds.
     span = range(rounds[0], rounds[-1] + 1)
     edges = [r - 0.5 for r in span] + [rounds[-1] + 0.5]
-    counts = {row["round"]: reply_counts(row) for row in rows}
+    rows_by_round = {row["round"]: row for row in rows}
+    counts = {r: reply_counts(row) for r, row in rows_by_round.items()}
     base = [0] * len(span)
     kinds = 0
     for key, label, colour in REPLY_KINDS:
@@ -137,6 +159,11 @@ def rounds_figure(rows: Sequence[dict[str, Any]]) -> Figure:
     bottom.set_xlim(edges[0], edges[-1])
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no 0.1 steps for one round
     bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+    retried = [(r, counts[r]) for r in rounds if rows_by_round[r].get("attempts", 1) > 1]
+    if retried:  # the bands count the last attempt; say that the round needed more than one
+        bottom.scatter([r for r, _ in retried], [sum(c.values()) + 0.5 for _, c in retried], marker="v", color="black",
+                       s=14, zorder=3, label="retried (bands: last attempt)")
+        kinds += 1
     if kinds:
         bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # beside the bands, not on them
     return fig

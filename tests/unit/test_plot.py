@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,12 +49,17 @@ def test_what_became_of_the_replies_adds_up_to_the_sampled_nodes() -> None:
         ('{"round": 1, "accepted": 3}\nnot json\n', "metrics.jsonl:2: not a JSON metrics row"),
         ('{"accepted": 3}\n', "metrics.jsonl:1: not a metrics row (no integer 'round')"),
         ("\n", "no metrics rows"),
+        ('{"round": 1, "accepted": 3}\n{"round": 2, "rejected": ["non_finite"]}\n',
+         "metrics.jsonl:2: not a metrics row ('rejected' is ['non_finite'], not a count per reason)"),
+        ('{"round": 1, "rejected": {"non_finite": "two"}}\n', "metrics.jsonl:1: not a metrics row ('rejected'"),
+        ('{"round": 1, "accepted": -1}\n', "metrics.jsonl:1: not a metrics row ('accepted' is -1, not a count)"),
+        ('{"round": 1, "dropped": 2.5}\n', "metrics.jsonl:1: not a metrics row ('dropped' is 2.5, not a count)"),
     ],
-    ids=["bad-line", "no-round", "empty"],
+    ids=["bad-line", "no-round", "empty", "rejected-list", "rejected-text", "negative", "fraction"],
 )
 def test_a_file_that_is_not_a_run_s_metrics_is_named_with_its_line(tmp_path: Path, content: str, message: str) -> None:
     (tmp_path / "metrics.jsonl").write_text(content)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         read_rows(tmp_path / "metrics.jsonl")
 
 
@@ -77,6 +83,15 @@ def test_a_rollback_is_marked_in_its_round(tmp_path: Path, rolled_back: int) -> 
     assert (tmp_path / "marked.png").read_bytes() != (tmp_path / "none.png").read_bytes()
 
 
+def test_a_retried_round_is_marked_above_its_bands() -> None:
+    rows = [_row(1, 0.6), _row(2, 0.7, attempts=3, accepted=6, dropped=4), _row(3, 0.8, attempts=1)]
+    replies = rounds_figure(rows).axes[1]
+    (marks,) = replies.collections
+    assert [tuple(xy) for xy in marks.get_offsets()] == [(2.0, 10.5)]  # above the 6 + 4 replies of round 2
+    assert "retried (bands: last attempt)" in [t.get_text() for t in replies.get_legend().get_texts()]
+    assert not rounds_figure([_row(1, 0.6), _row(2, 0.7)]).axes[1].collections
+
+
 def test_a_long_run_is_one_band_per_kind_of_reply(tmp_path: Path) -> None:
     # A bar per round and kind made a 10,000-round run's picture take about a minute at the end of the run.
     rows = [_row(r, 0.9, accepted=18, filtered=2, dropped=r % 3) for r in range(1, 5001)]
@@ -96,6 +111,11 @@ def test_the_command_writes_beside_the_metrics_and_refuses_a_missing_file(tmp_pa
     missing = subprocess.run([sys.executable, "-m", "fedrobust.plot", str(tmp_path / "nowhere.jsonl")],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "fedrobust.plot:" in missing.stderr and "nowhere.jsonl" in missing.stderr
+    _write(tmp_path / "edited.jsonl", [_row(1, 0.8, rejected=3)])  # a hand-edited row: named, no traceback
+    edited = subprocess.run([sys.executable, "-m", "fedrobust.plot", str(tmp_path / "edited.jsonl")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert edited.returncode == 2 and "edited.jsonl:1: not a metrics row ('rejected' is 3" in edited.stderr
+    assert "Traceback" not in edited.stderr
 
 
 @pytest.mark.filterwarnings("error")  # matplotlib warns about a legend with nothing in it
