@@ -281,7 +281,8 @@ def run_inprocess(
     ``experiments/simulate.py``. ``metrics.jsonl``, ``final_model.safetensors`` and the resolved
     config go to ``out_dir`` (a temporary directory when None). ``on_strategy`` sees the strategy
     before it starts (e.g. to request a stop). ``nodes`` (node id -> node config) replaces the
-    seed's node ids and partitions, e.g. with a deployment's SuperNodes and their device data.
+    seed's node ids and partitions, e.g. with a deployment's SuperNodes and their device data (as many
+    nodes as it names, which may differ from ``num_clients``).
     ``on_craft`` sees each round's honest rows and what an omniscient attack crafted from them.
 
     PyTorch is limited to one thread in this process (the models are tiny; a sweep runs one
@@ -301,7 +302,8 @@ def run_inprocess(
             out_dir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         out_dir.mkdir(parents=True, exist_ok=True)
         app = with_client_state(client_app if client_app is not None else make_client_app(cfg))
-        grid = InProcessGrid(app, cfg.num_clients, seed=cfg.seed, run_config=cfg.to_flat(), nodes=nodes)
+        num_nodes = len(nodes) if nodes is not None else cfg.num_clients
+        grid = InProcessGrid(app, num_nodes, seed=cfg.seed, run_config=cfg.to_flat(), nodes=nodes)
         with _server_identity(grid.run.run_id):
             run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg, on_craft), on_strategy=on_strategy,
                            progress=echo, picture=picture)

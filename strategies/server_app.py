@@ -139,6 +139,7 @@ def run_experiment(
     attackers = sorted(byzantine_partitions(cfg))
     if attackers:  # so that the rounds' rejected, filtered and excluded nodes can be read against them
         log.info("attack %s played by partitions %s", cfg.attack.name, ", ".join(map(str, attackers)))
+    say_if_more_nodes_than_clients(grid, cfg)
     strategy = strategy_from_config(cfg, out_dir=out_dir, update_hook=update_hook, progress=progress)
     if on_strategy is not None:
         on_strategy(strategy)
@@ -159,6 +160,26 @@ def run_experiment(
     if picture:
         _draw_rounds(out_dir)
     return result
+
+
+def say_if_more_nodes_than_clients(grid: Grid, cfg: RunConfig) -> None:
+    """Warn when more nodes are connected at the start than ``num_clients``, e.g. a simulation whose
+    num-supernodes was raised and not num_clients: each round samples the fraction clients_per_round /
+    num_clients of the connected nodes (Flower's fraction_train), so every extra node trains too, and a
+    simulation cuts the data by its num-supernodes, not by num_clients."""
+    connected = len(list(grid.get_node_ids()))
+    if connected <= cfg.num_clients:
+        return
+    sampled = max(int(connected * cfg.clients_per_round / cfg.num_clients + 1e-9), cfg.clients_per_round)
+    seed_keys = cfg.signing.require and not cfg.signing.trust_dir
+    keys = (f"; signing.require without a trust_dir has keys for partitions 0-{cfg.num_clients - 1} only, so "
+            "the other nodes' replies are refused (unknown_key)") if seed_keys else ""
+    log.warning(
+        "%d nodes are connected, num_clients=%d: each round trains %d of them (clients_per_round / num_clients of "
+        "the connected nodes), not clients_per_round=%d, and a simulation cuts the data into %d shares (its "
+        "num-supernodes)%s. Set num_clients=%d (and clients_per_round), or run %d nodes",
+        connected, cfg.num_clients, sampled, cfg.clients_per_round, connected, keys, connected, cfg.num_clients,
+    )
 
 
 def _draw_rounds(out_dir: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,31 @@ def test_the_run_s_picture_replaces_an_earlier_one_and_a_failure_to_draw_only_wa
     with caplog.at_level("WARNING"):
         _draw_rounds(out)
     assert "no rounds.png:" in caplog.text
+
+
+def test_more_nodes_than_num_clients_are_named_before_the_first_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A simulation's num-supernodes raised and num_clients left: Flower's fraction_train samples every
+    # connected node, and the data is cut by the node count. Said once, before any training.
+    from experiments.inprocess import node_ids_for
+
+    cfg = small_config(tmp_path, num_rounds=1, num_clients=4, clients_per_round=4, **{"signing.require": True})
+    out = Path(cfg.output_dir)
+    six = {node: {"partition-id": i, "num-partitions": 6} for i, node in enumerate(node_ids_for(cfg.seed, 6))}
+    with caplog.at_level("WARNING", logger="fedrobust.strategies.server_app"):
+        run_inprocess(cfg, out, nodes=six)
+    said = [r.getMessage() for r in caplog.records if r.name == "fedrobust.strategies.server_app"]
+    assert said == [
+        "6 nodes are connected, num_clients=4: each round trains 6 of them (clients_per_round / num_clients of the "
+        "connected nodes), not clients_per_round=4, and a simulation cuts the data into 6 shares (its "
+        "num-supernodes); signing.require without a trust_dir has keys for partitions 0-3 only, so the other "
+        "nodes' replies are refused (unknown_key). Set num_clients=6 (and clients_per_round), or run 4 nodes"
+    ]
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["sampled"] == 6 and row["rejected"] == {"unknown_key": 2}  # what the warning says, as it happens
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedrobust.strategies.server_app"):
+        run_inprocess(cfg, tmp_path / "as_many")  # as many nodes as num_clients: nothing to say
+    assert not [r for r in caplog.records if r.name == "fedrobust.strategies.server_app"]
