@@ -503,6 +503,7 @@ class UserRule(Rule):
         super().__init__(f)
         self.impl = impl
         min_n = getattr(impl, "min_n", None)
+        self.declares_min_n = callable(min_n)  # else 1: the strategy warns where f > 0 needs more
         needed = min_n() if callable(min_n) else 1
         if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
             raise ValueError(f"{label}: min_n() returned {needed!r}; expected an integer >= 1")

@@ -33,6 +33,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # A traceback's own line of an exception: "ValueError: ...", "flwr.x.ClientAppException: ...".
 _RAISED = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning): \S")
 _WRAPPER = re.compile(r"ClientAppException|RayTaskError")  # Flower's and Ray's wrappers of the client's error
+# Flower's one-line form, str(type(ex)) + ":<'" + str(ex) + "'>", for a client error that is not a wrapper.
+_TYPE_AND_MESSAGE = re.compile(r"^<class '(?P<type>[A-Za-z_][\w.]*)'>:<'(?P<message>.*)'>$")
 
 
 def error_reason(reason: object, limit: int = 200) -> str:
@@ -42,9 +44,13 @@ def error_reason(reason: object, limit: int = 200) -> str:
     (terminal colour codes and a trailing ``'>`` included). Its first exception line is the root cause
     (``ValueError: No query function registered ...``), which Flower's last line (``Exception
     ClientAppException occurred. Message: ...``) repeats without its type; where the client raised
-    another exception while handling one (``except KeyError: raise ValueError(...)``), that one.
+    another exception while handling one (``except KeyError: raise ValueError(...)``), that one. A
+    one-line ``<class 'ValueError'>:<'message'>`` (a SuperNode's ClientApp process, the in-process grid)
+    reads ``ValueError: message``.
     """
     lines = [line.strip() for line in _ANSI.sub("", str(reason)).splitlines() if line.strip()]
+    if len(lines) == 1 and (typed := _TYPE_AND_MESSAGE.match(lines[0])):
+        return f"{typed['type'].rsplit('.', 1)[-1]}: {typed['message']}"[:limit]
     line = ""
     during = False  # the next exception was raised while handling the one before: it is the one to report
     for text in lines:

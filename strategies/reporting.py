@@ -99,7 +99,13 @@ def progress_line(row: dict[str, Any], num_rounds: int, *, f: int | None = None)
         + (f"f {f_used} of {f}  " if lowered else "")
         + f"train {row['seconds_train']:.2f}s agg {row['seconds_aggregate']:.3f}s "
         f"eval {row.get('seconds_evaluate', 0.0):.2f}s"
+        + (f" (evaluate replies failed {failed})" if (failed := _evaluate_failed(row)) else "")
     )
+
+
+def _evaluate_failed(row: dict[str, Any]) -> int:
+    """The round's federated evaluation messages that came back as errors or not at all."""
+    return sum(row.get("evaluate_errors", {}).values()) + row.get("evaluate_missing", 0)
 
 
 def _node(entry: dict[str, Any]) -> str:
@@ -120,6 +126,7 @@ def node_lines(row: dict[str, Any]) -> list[str]:
     if row.get("excluded_nodes"):
         lines.append(f"    excluded by the rule: {', '.join(_node(e) for e in row['excluded_nodes'])}")
     lines += [f"    client error x{n}: {message}" for message, n in row.get("client_errors", {}).items()]
+    lines += [f"    evaluate error x{n}: {message}" for message, n in row.get("evaluate_errors", {}).items()]
     if row.get("quarantined"):
         lines.append(f"    quarantined: nodes {', '.join(str(n) for n in row['quarantined'])}")
     return lines
@@ -182,6 +189,8 @@ def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 
         + (f", excluded by the rule {excluded}" if (excluded := sum(r.get("excluded", 0) for r in rows)) else ""),
         f"rollbacks {last.get('rollbacks', 0)}, retried rounds {sum(1 for r in rows if r.get('attempts', 1) > 1)}",
     ]
+    if failed := sum(_evaluate_failed(r) for r in rows):
+        lines.append(f"federated evaluation: {failed} evaluate replies failed or missed the deadline (see the rounds)")
     if often := left_out_most(rows):
         lines.append(often)
     lines += notes

@@ -147,7 +147,7 @@ ServerUpdateFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, torch.
 
 
 # Warnings said once a process.
-_said = {"plain mean": False, "f=0": False}
+_said = {"plain mean": False, "f=0": False, "no weights": False, "no min_n": False}
 
 
 class RoundIntake:
@@ -452,6 +452,7 @@ class RobustStrategy(Strategy):
             "(a RunConfig builds it from aggregator.root_size examples of the training data)",
         )
         self._warn_about_f(a.num_byzantine)
+        self._warn_about_rule(a.num_byzantine, a.weight_by_num_examples)
         self.server_update_fn = server_update_fn
         self._rule_spec = (aggregator, tuple(pre) if not isinstance(pre, str) else (pre,), plain(aggregator_params))
         self.num_byzantine: int = a.num_byzantine
@@ -555,6 +556,30 @@ class RobustStrategy(Strategy):
                 "averages every valid reply, as FedAvg does); set num_byzantine to the number of nodes that may "
                 "be faulty",
                 self.aggregator.label,
+            )
+
+    def _warn_about_rule(self, num_byzantine: int, weight_by_num_examples: bool) -> None:
+        """Say once a process what a setting does not do with this rule: weights it does not take, a user's
+        rule without ``min_n()`` that runs on fewer replies than f faulty ones can outvote."""
+        if weight_by_num_examples and not self.aggregator.supports_weights and not _said["no weights"]:
+            _said["no weights"] = True
+            log.warning(
+                "weight_by_num_examples=True: aggregator %s takes no weights, so every valid reply counts once "
+                "whatever its num-examples (of the built-in rules only 'mean' takes them, and no stage in front "
+                "of it may mix rows)",
+                self.aggregator.label,
+            )
+        core = getattr(self.aggregator, "rule", self.aggregator)
+        needs = 2 * num_byzantine + 1
+        if (num_byzantine > 0 and not getattr(core, "declares_min_n", True) and self.aggregator.min_n() < needs
+                and not _said["no min_n"]):
+            _said["no min_n"] = True
+            log.warning(
+                "aggregator %s has no min_n(), so it runs on as few as %d valid repl%s; with num_byzantine=%d, "
+                "faulty replies are the majority of fewer than %d: give the rule a min_n() method returning "
+                "the fewest rows it is robust on (docs/components.md)",
+                self.aggregator.label, self.aggregator.min_n(), "y" if self.aggregator.min_n() == 1 else "ies",
+                num_byzantine, needs,
             )
 
     # ------------------------------------------------------------------ settings

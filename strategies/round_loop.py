@@ -27,6 +27,7 @@ from fedrobust.strategies.checkpointing import GuardState, RoundCheckpointer, mo
 from fedrobust.strategies.collect import push_and_collect
 from fedrobust.strategies.discovery import Discovery
 from fedrobust.strategies.errors import ClientFailureError, NoNodesError, Preempted, QuorumError
+from fedrobust.strategies.replies import error_reason
 from fedrobust.strategies.reporting import MetricsLog
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class RoundLoop:
         self.evaluate_config = evaluate_config
         self.evaluate_fn = evaluate_fn
         self._said_no_loss = False  # the warning that evaluate_fn gives no loss for the divergence guard, once
+        self._said_evaluation_failed = False  # the warning that no federated evaluation reply came back, once
         s = strategy
         # The train config reaches every client's training, so a checkpoint must agree with it too.
         settings = {**s.settings, "train_config": dict(train_config)}
@@ -498,12 +500,38 @@ class RoundLoop:
             self._send_client_states(messages)
             _, replies = push_and_collect(self.grid, messages, timeout=self.deadline, enough=lambda _: s.stop_requested)
             self._evaluation_incomplete = len(replies) < len(messages) or any(r.has_error() for r in replies)
+            out.update(self._evaluation_failures(server_round, messages, replies))
             self._take_client_states(replies)
             federated = s.aggregate_evaluate(server_round, replies)
             if federated is not None:
                 out["federated_evaluate"] = {k: float(v) for k, v in federated.items() if isinstance(v, int | float)}
         out["seconds_evaluate"] = time.perf_counter() - t0
         return out
+
+    def _evaluation_failures(
+        self, server_round: int, messages: list[Message], replies: list[Message]
+    ) -> dict[str, Any]:
+        """The round's evaluate replies that were errors (by reason) or never came, for its row; a round where
+        none came back usable is also said as a warning, once a run (the same cause every round, most often a
+        ClientApp without an evaluate function)."""
+        errors: dict[str, int] = {}
+        for reply in replies:
+            if reply.has_error():
+                reason = error_reason(reply.error.reason)
+                errors[reason] = errors.get(reason, 0) + 1
+        missing = len(messages) - len(replies)
+        if not errors and not missing:
+            return {}
+        if sum(errors.values()) + missing == len(messages) and not self._said_evaluation_failed:
+            self._said_evaluation_failed = True
+            first = f", e.g. {next(iter(errors))}" if errors else ""
+            log.warning(
+                "round %d: federated evaluation got no reply of the %d it asked for (%d errors%s; %d missed the "
+                "deadline): a ClientApp needs an evaluate function (@app.evaluate()) for fraction_evaluate > 0; "
+                "fraction_evaluate=0 turns federated evaluation off. Said once a run",
+                server_round, len(messages), sum(errors.values()), first, missing,
+            )
+        return {"evaluate_errors": errors, "evaluate_missing": missing}
 
     def _diverged(self, arrays: ArrayRecord, row: dict[str, Any]) -> str | None:
         """Why the round's model counts as diverged, or None when it does not."""

@@ -7,6 +7,7 @@ only ``RobustStrategy(...)`` and ``strategy.start(...)``, on Flower's real simul
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -415,6 +416,30 @@ def test_a_round_whose_replies_missed_the_deadline_says_so() -> None:
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
 
 
+def test_federated_evaluation_that_fails_on_every_client_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fraction_evaluate > 0 with a ClientApp that has no evaluate function: every evaluate message comes back
+    as an error. Said once as a warning with the reason, counted in every round's row, line and the summary."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 4, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, fraction_evaluate=1.0,
+                              metrics_path=tmp_path / "metrics.jsonl")
+    with _server_identity(grid.run.run_id), caplog.at_level("WARNING", logger="fedrobust.strategies.round_loop"):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=2)
+    said = [r.getMessage() for r in caplog.records if "federated evaluation" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("round 1: federated evaluation got no reply of the 4 it asked for "
+                                                 "(4 errors, e.g. ValueError: No evaluate function registered")
+    assert "@app.evaluate()" in said[0]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [sum(r["evaluate_errors"].values()) for r in rows] == [4, 4] and rows[0]["evaluate_missing"] == 0
+    assert not result.evaluate_metrics_clientapp
+    out = capsys.readouterr().out
+    assert out.count("(evaluate replies failed 4)") == 2 and "    evaluate error x4: ValueError: No evaluate" in out
+    assert "federated evaluation: 8 evaluate replies failed or missed the deadline" in out
+
+
 def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplog: pytest.LogCaptureFixture) -> None:
     """Every node replies without ``num-examples`` (the usual first mistake): the reason is in the error,
     and the lowered f is explained; more nodes proven faulty than num_byzantine is warned about once."""
@@ -742,6 +767,41 @@ def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
     RobustStrategy(progress=False)  # FedAvg swapped out, num_byzantine left at its default
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("num_byzantine=0: aggregator")]
     assert len(said) == 1 and "is configured for no faulty node" in said[0]
+
+
+def test_settings_a_rule_does_not_honour_are_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """weight_by_num_examples with a rule that takes no weights, and a user's function rule without min_n()
+    at f > 0, are accepted as Flower users write them, and said: neither does what it looks like."""
+    from fedrobust.strategies import robust_strategy
+
+    for key in ("no weights", "no min_n"):
+        monkeypatch.setitem(robust_strategy._said, key, False)
+
+    def my_median(updates: torch.Tensor) -> torch.Tensor:
+        return updates.median(dim=0).values
+
+    class MedianNeedingThree:
+        def __call__(self, updates: torch.Tensor) -> torch.Tensor:
+            return updates.median(dim=0).values
+
+        def min_n(self) -> int:
+            return 3
+
+    with caplog.at_level("WARNING", logger="fedrobust.strategies.robust_strategy"):
+        RobustStrategy(aggregator="mean", num_byzantine=0, weight_by_num_examples=True, progress=False)
+        RobustStrategy(aggregator=MedianNeedingThree(), num_byzantine=1, progress=False)  # declares it
+        RobustStrategy(aggregator=my_median, num_byzantine=0, progress=False)  # f = 0: one reply is enough
+        assert not [m for m in caplog.messages if "weight_by_num_examples" in m or "min_n" in m]
+        for _ in range(2):
+            RobustStrategy(num_byzantine=1, weight_by_num_examples=True, progress=False)
+            RobustStrategy(aggregator=my_median, num_byzantine=1, progress=False)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    weights = [m for m in said if m.startswith("weight_by_num_examples=True")]
+    assert len(weights) == 1 and "takes no weights, so every valid reply counts once" in weights[0]
+    rows = [m for m in said if "has no min_n()" in m]
+    assert len(rows) == 1 and "so it runs on as few as 1 valid reply; with num_byzantine=1" in rows[0]
 
 
 def test_a_plain_function_or_a_built_object_is_the_rule_itself() -> None:

@@ -842,6 +842,11 @@ def test_a_client_errors_reason_is_its_root_cause_in_one_line() -> None:
     assert error_reason("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'" + handled + "'>") == (
         "ValueError: node config has no partition-id"
     )
+    # The one-line form of an error that is not a wrapper (a ClientApp process, the in-process grid).
+    assert error_reason(flowers(KeyError("num-examples"))) == "KeyError: 'num-examples'"
+    assert error_reason(flowers(ValueError("No evaluate function registered"))) == (
+        "ValueError: No evaluate function registered"
+    )
     assert error_reason("the node went away") == "the node went away"
     assert error_reason("") == error_reason("\n \n") == "unknown error"
     assert len(error_reason("x" * 1000, limit=50)) == 50
