@@ -425,10 +425,22 @@ class RoundLoop:
         return self._row(outcome, attempts, time.perf_counter() - t0), outcome.arrays
 
     def _retry_cannot_help(self, outcome: RoundOutcome) -> bool:
-        """Every connected node was asked and replied validly, and they are fewer than the rule needs: a retry
-        would ask the same nodes for as few replies (``max_round_retries`` is for replies lost or rejected)."""
-        clean = not (outcome.rejected or outcome.dropped or outcome.client_errors)
-        return clean and outcome.sampled < outcome.needed and len(list(self.grid.get_node_ids())) <= outcome.sampled
+        """Every connected node was asked, and either each replied validly and they are fewer than the rule
+        needs (a retry would ask the same nodes for as few replies; ``max_round_retries`` is for replies lost
+        or rejected), or each reply was refused for one same reason, more than ``num_byzantine`` of them: a
+        setting or the ClientApp (a missing key, a norm bound below honest updates), which the same nodes
+        would repeat, each retry a rejection more towards quarantining every node."""
+        if len(list(self.grid.get_node_ids())) > outcome.sampled:
+            return False
+        if outcome.dropped or outcome.client_errors:
+            return False
+        if not outcome.rejected:
+            return outcome.sampled < outcome.needed
+        alike = not outcome.accepted and len(outcome.rejected) == 1
+        if alike and sum(outcome.rejected.values()) > self.strategy.num_byzantine:
+            outcome.why_not_aggregated += "; not retried: every node's reply was refused for the same reason"
+            return True
+        return False
 
     def _enough_replies(self, target: int) -> Callable[[list[Message]], bool]:
         """When to stop waiting: ``target`` valid replies, or a stop request (the round is then

@@ -442,21 +442,32 @@ def test_federated_evaluation_that_fails_on_every_client_is_said(
 
 def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplog: pytest.LogCaptureFixture) -> None:
     """Every node replies without ``num-examples`` (the usual first mistake): the reason is in the error,
-    and the lowered f is explained; more nodes proven faulty than num_byzantine is warned about once."""
+    and the lowered f is explained; more nodes proven faulty than num_byzantine is warned about once. Every
+    node asked and refused alike is a setting or the ClientApp: not retried (each retry a rejection more
+    towards quarantining every node); refusals for different reasons are."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
     grid = InProcessGrid(_echo_app(lambda _: {"train_loss": 0.5}), 3, seed=0)
-    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=3, progress=False)
     with _server_identity(grid.run.run_id), pytest.raises(
         QuorumError,
-        match=r"round 1: not aggregated after 2 attempts \(0 valid replies, median with f=0 \(num_byzantine=1 "
+        match=r"round 1: not aggregated after 1 attempt \(0 valid replies, median with f=0 \(num_byzantine=1 "
         r"less 3 proven faulty\) needs at least 1; rejected 3: 3x malformed_reply \('num-examples' \(weighted_by_key\) "
         r"missing or not a number; its metrics: 'train_loss'\) \(more than num_byzantine=1 nodes failing alike points "
-        r"at the ClientApp's replies",
+        r"at the ClientApp's replies or a setting rather than at faulty nodes\); not retried: every node's reply was "
+        r"refused for the same reason\)$",
     ):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     warnings = [r.getMessage() for r in caplog.records if "more than num_byzantine" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("round 1: 3 nodes proven faulty"), warnings
+    assert not [n for n in strategy.liveness.known_nodes() if strategy.liveness.status(n) == "quarantined"]
+
+    # One node with a bad count, two without one: two reasons, retried as before.
+    grid = InProcessGrid(_echo_app(lambda p: {"num-examples": -5} if p == 0 else {"train_loss": 0.5}), 3, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
+    with _server_identity(grid.run.run_id), pytest.raises(QuorumError, match=r"^round 1: not aggregated after 2 "
+                                                                             r"attempts \(0 valid replies"):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
 
 
 def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -> None:
