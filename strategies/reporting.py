@@ -151,7 +151,7 @@ def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
 
 
 def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 1, notes: Sequence[str] = ()) -> str:
-    """The summary of the whole run (rows restored by a resume included); ``seconds`` is this process's."""
+    """The summary of the whole run (rows restored by a resume included); ``seconds`` is this start()'s."""
     if not rows:
         return "no round completed"
     last = rows[-1]
@@ -159,11 +159,11 @@ def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 
     for r in rows:
         for k, v in r.get("rejected", {}).items():
             rejected[k] = rejected.get(k, 0) + v
-    if first_round > 1:  # a resume: the totals below are the whole run's, the time this process's
+    if first_round > 1:  # a resume: the totals below are the whole run's, the time this start()'s
         trained = max(0, last["round"] - first_round + 1)
         before = "round 1" if first_round == 2 else f"rounds 1-{first_round - 1}"
         head = (
-            f"finished {last['round']} rounds: {before} before the resume, {trained} in this process "
+            f"finished {last['round']} rounds: {before} before the resume, {trained} after it "
             f"in {seconds:.1f} s"
         )
     else:

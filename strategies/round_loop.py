@@ -128,12 +128,12 @@ class RoundLoop:
             self.client_states = client_state.decode(resumed.client_tensors, resumed.client_state)
             self._states_to_send = dict(self.client_states)
             self.metrics.restore(resumed.rows)
+            self.initial_evaluation = resumed.initial_evaluation
+            if self.initial_evaluation is not None:  # first: the Result's rounds in order, as in a run without a stop
+                self.result.evaluate_metrics_serverapp[0] = MetricRecord(self.initial_evaluation)
             for row in resumed.rows:
                 self._record(row)
             first_round = resumed.round + 1
-            self.initial_evaluation = resumed.initial_evaluation
-            if self.initial_evaluation is not None:
-                self.result.evaluate_metrics_serverapp[0] = MetricRecord(self.initial_evaluation)
             self.metrics.say(f"resumed after round {resumed.round} from {self.checkpointer.resumed_from}")
             if resumed.round > self.num_rounds:
                 self.metrics.say(
@@ -335,8 +335,10 @@ class RoundLoop:
                 )
             if have != last_said:
                 # With discovery a node counts once it has said which partition it holds, so say both.
-                counted = f"{have} of {need} answered the partition query ({connected} connected)" if (
-                    self.discovery is not None) else f"{have} of {need} connected"
+                why = "min_available_nodes" if need == s.min_available_nodes else "min_train_nodes"
+                counted = (f"{have} of the {need} needed ({why}) answered the partition query "
+                           f"({connected} connected)") if self.discovery is not None else (
+                    f"{have} of the {need} needed ({why}) connected")
                 self.metrics.say(f"waiting for nodes: {counted}")
                 last_said = have
             time.sleep(0.2)
@@ -356,7 +358,8 @@ class RoundLoop:
             return
         log.warning(
             "%d nodes connected, but %s with f=%d needs at least %d valid replies: the first round stops the run "
-            "unless more nodes join or validation rejects replies; connect more nodes or %s",
+            "unless more nodes join (or validation proves replies faulty: each one lowers f by one); connect more "
+            "nodes or %s",
             connected, rule.label, s.num_byzantine, rule.min_n(), s.too_few_advice(connected, s.num_byzantine),
         )
 
@@ -670,5 +673,7 @@ def _errors_text(outcome: RoundOutcome) -> str:
     missed = len(outcome.dropped) - errors
     if missed > 0:
         text += (f"; {missed} of {outcome.sampled} replies missed the round's deadline (round_deadline, else "
-                 "start()'s timeout; fault.round_timeout in fedrobust's run config)")
+                 "start()'s timeout; fault.round_timeout in fedrobust's run config"
+                 + ("; the first round's also covers the ClientApps' start-up, e.g. a simulation's workers"
+                    if outcome.round == 1 else "") + ")")
     return text

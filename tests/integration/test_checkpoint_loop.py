@@ -258,7 +258,7 @@ def test_a_signed_run_resumes_when_the_nodes_come_back_with_new_ids(
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert all(r["accepted"] == first.num_clients and not r["rejected"] for r in rows[2:]), rows[2:]
     # The summary's totals are the whole run's; it says which rounds this process trained.
-    assert any(m.startswith("finished 4 rounds: rounds 1-2 before the resume, 2 in this process in ")
+    assert any(m.startswith("finished 4 rounds: rounds 1-2 before the resume, 2 after it in ")
                for m in caplog.messages), caplog.messages
     assert f"replies accepted {4 * first.num_clients}, rejected 0" in caplog.text
     assert _final_bytes(resumed) == _final_bytes(reference)

@@ -146,6 +146,7 @@ def test_a_flower_style_app_trains_robustly_and_resumes(tmp_path: Path) -> None:
     assert sorted(second.train_metrics_clientapp) == [1, 2, 3, 4, 5]
     assert second.train_metrics_clientapp[3] == first.train_metrics_clientapp[3]
     assert second.evaluate_metrics_serverapp[0] == first.evaluate_metrics_serverapp[0]  # kept in the checkpoint
+    assert list(second.evaluate_metrics_serverapp) == list(range(6))  # in round order, as without the stop
 
     final = second.arrays.to_torch_state_dict()
     assert all(bool(torch.isfinite(v).all()) for v in final.values())
@@ -411,7 +412,8 @@ def test_a_round_whose_replies_missed_the_deadline_says_so() -> None:
                               progress=False)
     with _server_identity(grid.run.run_id), pytest.raises(
         QuorumError, match=r"1 valid replies, median with f=1 needs at least 3\); 3 of 4 replies missed the "
-                           r"round's deadline \(round_deadline, else start\(\)'s timeout; fault.round_timeout"
+                           r"round's deadline \(round_deadline, else start\(\)'s timeout; fault.round_timeout in "
+                           r"fedrobust's run config; the first round's also covers the ClientApps' start-up"
     ):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
 
