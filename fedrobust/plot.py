@@ -9,7 +9,8 @@ The lower panel stacks, per round, the replies the rule used, those a filter dro
 weight, those validation rejected and the sampled nodes that sent no reply (a time-out, a client error):
 an attack shows as a band of filtered or excluded replies, a failing device as rejected or dropped ones,
 where the accuracy curve alone shows only the result. A round that took more than one attempt (too few
-valid replies, or a rollback) is marked above its bands, which count its last attempt's replies.
+valid replies) is marked above its bands, which count its last attempt's replies; a rollback is a dotted
+line across the accuracy panel.
 """
 
 from __future__ import annotations

@@ -576,7 +576,7 @@ class RobustStrategy(Strategy):
             _said["no min_n"] = True
             log.warning(
                 "aggregator %s has no min_n(), so it runs on as few as %d valid repl%s; with num_byzantine=%d, "
-                "faulty replies are the majority of fewer than %d: give the rule a min_n() method returning "
+                "faulty replies can be half or more of fewer than %d: give the rule a min_n() method returning "
                 "the fewest rows it is robust on (docs/components.md)",
                 self.aggregator.label, self.aggregator.min_n(), "y" if self.aggregator.min_n() == 1 else "ies",
                 num_byzantine, needs,

@@ -91,6 +91,7 @@ class RoundLoop:
         )
         self.guard = GuardState()
         self.initial_evaluation: dict[str, Any] | None = None  # Result's round 0, kept in checkpoints
+        self.first_round = 1  # the first round this start() trains (after a resume, the checkpoint's + 1)
         self.result = Result()
         # Simulated clients' Context.state by partition (strategies/client_state.py): the newest one
         # each sent, and those restored from a checkpoint that still have to be sent back once.
@@ -151,6 +152,7 @@ class RoundLoop:
             s.on_start(first_round)
         self.result.arrays = arrays
         try:
+            self.first_round = first_round  # its deadline also covers the ClientApps' start-up
             if first_round <= self.num_rounds:
                 self._wait_for_nodes()
             arrays = self._rounds(arrays, first_round)
@@ -292,6 +294,7 @@ class RoundLoop:
         """Wait at most ``wait_for_nodes`` s for ``min_available_nodes``, saying how many are there."""
         s = self.strategy
         need = max(s.min_available_nodes, s.min_train_nodes)
+        why = "min_available_nodes" if need == s.min_available_nodes else "min_train_nodes"  # the setting to lower
         deadline = time.monotonic() + s.wait_for_nodes
         last_said = -1
         while True:
@@ -317,7 +320,7 @@ class RoundLoop:
                 )
             if time.monotonic() >= deadline and connected >= need:
                 raise NoNodesError(
-                    f"{connected} nodes connected, but only {have} of the {need} needed (min_available_nodes) "
+                    f"{connected} nodes connected, but only {have} of the {need} needed ({why}) "
                     f"answered the partition query within {s.wait_for_nodes:g} s; nothing was trained. Either "
                     "the nodes are busy: a SuperNode takes one message at a time, and after a server crash it "
                     "first works through the killed run's messages (minutes under load): run again, or wait "
@@ -328,14 +331,13 @@ class RoundLoop:
                 )
             if time.monotonic() >= deadline:
                 raise NoNodesError(
-                    f"{have} of the {need} nodes needed (min_available_nodes) connected within "
+                    f"{have} of the {need} nodes needed ({why}) connected within "
                     f"{s.wait_for_nodes:g} s; nothing was trained. Start more nodes (a local simulation: its "
                     f"federation's num-supernodes; a deployment: flwr supernode ls shows which are online) or "
-                    f"need fewer (min_available_nodes; clients_per_round in fedrobust's run config)"
+                    f"need fewer ({why}; clients_per_round in fedrobust's run config)"
                 )
             if have != last_said:
                 # With discovery a node counts once it has said which partition it holds, so say both.
-                why = "min_available_nodes" if need == s.min_available_nodes else "min_train_nodes"
                 counted = (f"{have} of the {need} needed ({why}) answered the partition query "
                            f"({connected} connected)") if self.discovery is not None else (
                     f"{have} of the {need} needed ({why}) connected")
@@ -410,6 +412,8 @@ class RoundLoop:
                 outcome.why_not_aggregated = "no eligible node to sample"
             self._say_not_aggregated(outcome, attempt)
             if self._retry_cannot_help(outcome):
+                if attempt < s.max_round_retries and outcome.rejected:
+                    outcome.why_not_aggregated += "; not retried: every node's reply was refused for the same reason"
                 break
             only_errors = not outcome.accepted and not outcome.rejected
             if outcome.client_errors and only_errors and len(outcome.client_errors) == 1:
@@ -423,7 +427,7 @@ class RoundLoop:
             raise QuorumError(
                 f"round {server_round}: not aggregated after {attempts} attempt{'s' if attempts > 1 else ''} "
                 f"({outcome.why_not_aggregated})"
-                + _errors_text(outcome)
+                + _errors_text(outcome, first_round=outcome.round == self.first_round and attempts == 1)
             )
         return self._row(outcome, attempts, time.perf_counter() - t0), outcome.arrays
 
@@ -440,10 +444,7 @@ class RoundLoop:
         if not outcome.rejected:
             return outcome.sampled < outcome.needed
         alike = not outcome.accepted and len(outcome.rejected) == 1
-        if alike and sum(outcome.rejected.values()) > self.strategy.num_byzantine:
-            outcome.why_not_aggregated += "; not retried: every node's reply was refused for the same reason"
-            return True
-        return False
+        return alike and sum(outcome.rejected.values()) > self.strategy.num_byzantine
 
     def _enough_replies(self, target: int) -> Callable[[list[Message]], bool]:
         """When to stop waiting: ``target`` valid replies, or a stop request (the round is then
@@ -454,7 +455,7 @@ class RoundLoop:
     def _say_not_aggregated(self, outcome: RoundOutcome, attempt: int) -> None:
         self.metrics.say(
             f"round {outcome.round} attempt {attempt + 1} not aggregated: {outcome.why_not_aggregated}"
-            + _errors_text(outcome)
+            + _errors_text(outcome, first_round=outcome.round == self.first_round and attempt == 0)
         )
 
     def _row(self, outcome: RoundOutcome, attempts: int, seconds: float) -> dict[str, Any]:
@@ -539,12 +540,16 @@ class RoundLoop:
             return {}
         if sum(errors.values()) + missing == len(messages) and not self._said_evaluation_failed:
             self._said_evaluation_failed = True
-            first = f", e.g. {next(iter(errors))}" if errors else ""
+            if errors:
+                cause = (f"{sum(errors.values())} errors, e.g. {next(iter(errors))}; {missing} missed the deadline): "
+                         "a ClientApp needs an evaluate function (@app.evaluate()) for fraction_evaluate > 0")
+            else:
+                cause = ("all missed the round's deadline): the clients evaluate within it (round_deadline, else "
+                         "start()'s timeout)")
             log.warning(
-                "round %d: federated evaluation got no reply of the %d it asked for (%d errors%s; %d missed the "
-                "deadline): a ClientApp needs an evaluate function (@app.evaluate()) for fraction_evaluate > 0; "
-                "fraction_evaluate=0 turns federated evaluation off. Said once a run",
-                server_round, len(messages), sum(errors.values()), first, missing,
+                "round %d: federated evaluation got no reply of the %d it asked for (%s; fraction_evaluate=0 turns "
+                "federated evaluation off. Said once a run",
+                server_round, len(messages), cause,
             )
         return {"evaluate_errors": errors, "evaluate_missing": missing}
 
@@ -633,7 +638,7 @@ _OWN_KEYS = frozenset(
         "filtered_nodes", "excluded", "excluded_nodes", "client_errors",
         "quarantined", "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
         "seconds_checkpoint_blocking", "checkpoint_interval", "rollbacks", "liveness", "federated_evaluate",
-        "server_lr",
+        "server_lr", "evaluate_errors", "evaluate_missing",
     }
 )
 
@@ -662,9 +667,9 @@ class _RoundStart:
     client_states: dict[str, RecordDict]
 
 
-def _errors_text(outcome: RoundOutcome) -> str:
+def _errors_text(outcome: RoundOutcome, *, first_round: bool = False) -> str:
     """The replies that did not come: those that failed on the clients (the commonest errors) and those that
-    missed the deadline."""
+    missed the deadline (``first_round``: of the first round a start() trains, after a resume too)."""
     text = ""
     errors = sum(outcome.client_errors.values())
     if errors:
@@ -675,5 +680,5 @@ def _errors_text(outcome: RoundOutcome) -> str:
         text += (f"; {missed} of {outcome.sampled} replies missed the round's deadline (round_deadline, else "
                  "start()'s timeout; fault.round_timeout in fedrobust's run config"
                  + ("; the first round's also covers the ClientApps' start-up, e.g. a simulation's workers"
-                    if outcome.round == 1 else "") + ")")
+                    if first_round else "") + ")")
     return text

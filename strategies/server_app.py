@@ -139,8 +139,8 @@ def run_experiment(
     attackers = sorted(byzantine_partitions(cfg))
     if attackers:  # so that the rounds' rejected, filtered and excluded nodes can be read against them
         log.info("attack %s played by partitions %s", cfg.attack.name, ", ".join(map(str, attackers)))
-    say_if_more_nodes_than_clients(grid, cfg)
     strategy = strategy_from_config(cfg, out_dir=out_dir, update_hook=update_hook, progress=progress)
+    say_if_more_nodes_than_clients(grid, cfg, strategy)
     if on_strategy is not None:
         on_strategy(strategy)
     result = strategy.start(
@@ -162,7 +162,7 @@ def run_experiment(
     return result
 
 
-def say_if_more_nodes_than_clients(grid: Grid, cfg: RunConfig) -> None:
+def say_if_more_nodes_than_clients(grid: Grid, cfg: RunConfig, strategy: RobustStrategy) -> None:
     """Warn when more nodes are connected at the start than ``num_clients``, e.g. a simulation whose
     num-supernodes was raised and not num_clients: each round samples the fraction clients_per_round /
     num_clients of the connected nodes (Flower's fraction_train), so every extra node trains too, and a
@@ -170,7 +170,7 @@ def say_if_more_nodes_than_clients(grid: Grid, cfg: RunConfig) -> None:
     connected = len(list(grid.get_node_ids()))
     if connected <= cfg.num_clients:
         return
-    sampled = max(int(connected * cfg.clients_per_round / cfg.num_clients + 1e-9), cfg.clients_per_round)
+    sampled = min(connected, strategy.sample_size(connected) + strategy.over_select)  # as its rounds sample
     seed_keys = cfg.signing.require and not cfg.signing.trust_dir
     keys = (f"; signing.require without a trust_dir has keys for partitions 0-{cfg.num_clients - 1} only, so "
             "the other nodes' replies are refused (unknown_key)") if seed_keys else ""

@@ -397,9 +397,9 @@ def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence()
         _start_on_honest_nodes(strategy, 4)
 
 
-def test_a_round_whose_replies_missed_the_deadline_says_so() -> None:
+def test_a_round_whose_replies_missed_the_deadline_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Nodes that never answer (a grid that loses their replies): the error names the deadline, not only
-    '0 valid replies'."""
+    '0 valid replies', and for the first round a start() trains (after a resume too), the ClientApps' start-up."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
     class LosingGrid(InProcessGrid):
@@ -416,6 +416,25 @@ def test_a_round_whose_replies_missed_the_deadline_says_so() -> None:
                            r"fedrobust's run config; the first round's also covers the ClientApps' start-up"
     ):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+
+    # A checkpointed round 1 with every node answering, then a resumed start() whose round 2 loses them.
+    grid = LosingGrid(_echo_app(lambda _: {"num-examples": 10}), 4, seed=0)
+    grid.answering = set(grid.get_node_ids())  # type: ignore[attr-defined]
+
+    def resumable() -> RobustStrategy:
+        return RobustStrategy(aggregator="median", num_byzantine=1, round_deadline=0.3, max_round_retries=1,
+                              checkpoint_dir=str(tmp_path / "ckpt"), progress=False)
+
+    with _server_identity(grid.run.run_id), caplog.at_level("INFO", logger="fedrobust.strategies.reporting"):
+        resumable().start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+        grid.answering = set(list(grid.get_node_ids())[:1])  # type: ignore[attr-defined]
+        with pytest.raises(QuorumError) as stopped:
+            resumable().start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=2)
+    message = str(stopped.value)
+    assert message.startswith("round 2: not aggregated after 2 attempts") and "3 of 4 replies missed" in message
+    assert "start-up" not in message  # its second attempt: the start-up was behind it
+    (first_try,) = [m for m in caplog.messages if m.startswith("round 2 attempt 1 not aggregated")]
+    assert first_try.endswith("the first round's also covers the ClientApps' start-up, e.g. a simulation's workers)")
 
 
 def test_federated_evaluation_that_fails_on_every_client_is_said(
@@ -437,6 +456,20 @@ def test_federated_evaluation_that_fails_on_every_client_is_said(
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [sum(r["evaluate_errors"].values()) for r in rows] == [4, 4] and rows[0]["evaluate_missing"] == 0
     assert not result.evaluate_metrics_clientapp
+    assert not result.evaluate_metrics_serverapp  # no evaluate_fn: the counts are not server-side metrics
+
+    class NoEvaluateReplies(InProcessGrid):  # evaluate replies lost on the way: none errs, all are missing
+        def pull_messages(self, message_ids):  # type: ignore[no-untyped-def]
+            return [r for r in super().pull_messages(message_ids) if r.metadata.message_type != "evaluate"]
+
+    caplog.clear()
+    grid = NoEvaluateReplies(_echo_app(lambda _: {"num-examples": 10}), 4, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, fraction_evaluate=1.0, round_deadline=0.3,
+                              progress=False)
+    with _server_identity(grid.run.run_id), caplog.at_level("WARNING", logger="fedrobust.strategies.round_loop"):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    said = [r.getMessage() for r in caplog.records if "federated evaluation" in r.getMessage()]
+    assert len(said) == 1 and "(all missed the round's deadline)" in said[0] and "@app.evaluate" not in said[0]
     out = capsys.readouterr().out
     assert out.count("(evaluate replies failed 4)") == 2 and "    evaluate error x4: ValueError: No evaluate" in out
     assert "federated evaluation: 8 evaluate replies failed or missed the deadline" in out
@@ -476,6 +509,11 @@ def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -
     strategy = RobustStrategy(num_byzantine=1, min_available_nodes=5, wait_for_nodes=0.5, progress=False)
     with pytest.raises(NoNodesError, match=r"^2 of the 5 nodes needed \(min_available_nodes\) connected within "
                                            r"0.5 s; nothing was trained. Start more nodes \(a local simulation"):
+        _start_on_honest_nodes(strategy, 2)
+    # The larger of the two settings is the one to lower, and it is the one named.
+    strategy = RobustStrategy(num_byzantine=1, min_train_nodes=4, wait_for_nodes=0.5, progress=False)
+    with pytest.raises(NoNodesError, match=r"^2 of the 4 nodes needed \(min_train_nodes\) connected within 0.5 s; "
+                                           r".* or need fewer \(min_train_nodes; "):
         _start_on_honest_nodes(strategy, 2)
 
 
