@@ -551,11 +551,13 @@ class RobustStrategy(Strategy):
             )
         if num_byzantine == 0 and self.aggregator.label != "mean" and not _said["f=0"]:
             _said["f=0"] = True
+            default = aggregators.build(AggregatorConfig.name, f=0).label
+            averages = "; the default pipeline then averages every valid reply, as FedAvg does" if (
+                self.aggregator.label == default) else ""
             log.warning(
-                "num_byzantine=0: aggregator %s is configured for no faulty node (f=0; the default pipeline then "
-                "averages every valid reply, as FedAvg does); set num_byzantine to the number of nodes that may "
-                "be faulty",
-                self.aggregator.label,
+                "num_byzantine=0: aggregator %s is configured for no faulty node (f=0%s); set num_byzantine to the "
+                "number of nodes that may be faulty",
+                self.aggregator.label, averages,
             )
 
     def _warn_about_rule(self, num_byzantine: int, weight_by_num_examples: bool) -> None:

@@ -174,11 +174,15 @@ def say_if_more_nodes_than_clients(grid: Grid, cfg: RunConfig, strategy: RobustS
     seed_keys = cfg.signing.require and not cfg.signing.trust_dir
     keys = (f"; signing.require without a trust_dir has keys for partitions 0-{cfg.num_clients - 1} only, so "
             "the other nodes' replies are refused (unknown_key)") if seed_keys else ""
+    from flwr.superlink.grid import HttpGrid
+
+    # A simulation's nodes each hold 1/num-supernodes of the data; a deployment's devices hold their own.
+    shares = "" if isinstance(grid, HttpGrid) else f", and the simulation cuts the data into {connected} shares"
     log.warning(
         "%d nodes are connected, num_clients=%d: each round trains %d of them (clients_per_round / num_clients of "
-        "the connected nodes), not clients_per_round=%d, and a simulation cuts the data into %d shares (its "
-        "num-supernodes)%s. Set num_clients=%d (and clients_per_round), or run %d nodes",
-        connected, cfg.num_clients, sampled, cfg.clients_per_round, connected, keys, connected, cfg.num_clients,
+        "the connected nodes), not clients_per_round=%d%s%s. Set num_clients=%d (and clients_per_round), or run "
+        "%d nodes",
+        connected, cfg.num_clients, sampled, cfg.clients_per_round, shares, keys, connected, cfg.num_clients,
     )
 
 

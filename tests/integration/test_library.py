@@ -817,7 +817,13 @@ def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
     robust_strategy._said["f=0"] = False
     RobustStrategy(progress=False)  # FedAvg swapped out, num_byzantine left at its default
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("num_byzantine=0: aggregator")]
-    assert len(said) == 1 and "is configured for no faulty node" in said[0]
+    assert len(said) == 1 and "is configured for no faulty node (f=0; the default pipeline then averages" in said[0]
+    robust_strategy._said["f=0"] = False
+    caplog.clear()
+    RobustStrategy(aggregator="median", progress=False)  # another rule: no word of the default pipeline
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("num_byzantine=0: aggregator")]
+    assert said == ["num_byzantine=0: aggregator median is configured for no faulty node (f=0); set num_byzantine "
+                    "to the number of nodes that may be faulty"]
 
 
 def test_settings_a_rule_does_not_honour_are_said_once(

@@ -131,9 +131,9 @@ def test_more_nodes_than_num_clients_are_named_before_the_first_round(
     said = [r.getMessage() for r in caplog.records if r.name == "fedrobust.strategies.server_app"]
     assert said == [
         "6 nodes are connected, num_clients=4: each round trains 6 of them (clients_per_round / num_clients of the "
-        "connected nodes), not clients_per_round=4, and a simulation cuts the data into 6 shares (its "
-        "num-supernodes); signing.require without a trust_dir has keys for partitions 0-3 only, so the other "
-        "nodes' replies are refused (unknown_key). Set num_clients=6 (and clients_per_round), or run 4 nodes"
+        "connected nodes), not clients_per_round=4, and the simulation cuts the data into 6 shares; signing.require "
+        "without a trust_dir has keys for partitions 0-3 only, so the other nodes' replies are refused "
+        "(unknown_key). Set num_clients=6 (and clients_per_round), or run 4 nodes"
     ]
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["sampled"] == 6 and row["rejected"] == {"unknown_key": 2}  # what the warning says, as it happens
