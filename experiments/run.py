@@ -93,19 +93,22 @@ def _say_failed_job(error: Exception) -> None:
     print(f"fedrobust: {line}; the sweep goes on", file=sys.stderr)
 
 
-def _field_hint(key: str) -> tuple[Any, list[str]] | None:
-    """The type of RunConfig setting ``key`` and the valid keys of its section; None inside a parameter table."""
+def _field_hint(key: str) -> tuple[Any, list[str], str] | None:
+    """The type of RunConfig setting ``key``, the valid keys of its section and the section's name (KeyError
+    for the type where a part of ``key`` is unknown: the section is then the one that has no such key); None
+    inside a parameter table."""
     node: Any = RunConfig
     parts = key.split(".")
     for depth, part in enumerate(parts):
         if not dataclasses.is_dataclass(node):
             return None  # aggregator.params.x and the like: free-form tables
         hints = get_type_hints(node)
+        section = ".".join(parts[:depth]) or "run config"
         if part not in hints:
-            return KeyError, sorted(hints)
+            return KeyError, sorted(hints), section
         node = hints[part]
         if depth == len(parts) - 1:
-            return node, sorted(hints)
+            return node, sorted(hints), section
     return None
 
 
@@ -169,7 +172,11 @@ def override_problems(args: Sequence[str]) -> list[str]:
     for override in parsed:
         key = override.key_or_group
         if override.is_sweep_override() and not _is_multirun(args):
-            problems.append(f"{override.input_line}: a sweep over values runs with -m (--multirun)")
+            listed = ""
+            if key == "aggregator.pre":  # a list of stages, which Hydra reads as a sweep unless quoted
+                stages = ",".join(str(v) for v in override.sweep_iterator())
+                listed = f"; for a list of pre-aggregators quote it: \"aggregator.pre='{stages}'\""
+            problems.append(f"{override.input_line}: a sweep over values runs with -m (--multirun){listed}")
             continue
         if override.package is not None or override.is_delete() or override.is_sweep_override():
             continue
@@ -185,11 +192,10 @@ def override_problems(args: Sequence[str]) -> list[str]:
         found = _field_hint(key)
         if found is None:
             continue
-        hint, valid = found
+        hint, valid, section = found
         value = override.value()
         if hint is KeyError:
             if not override.is_add():
-                section = key.rpartition(".")[0] or "run config"
                 problems.append(f"{key}={format_value(value)}: unknown key; valid keys in {section}: {valid}")
             continue
         if dataclasses.is_dataclass(hint) and not isinstance(value, str) and (CONF_DIR / key).is_dir():
@@ -252,9 +258,9 @@ def _entry_problems(table: str, entries: dict[str, Any]) -> list[str]:
         found = _field_hint(f"{table}.{name}")
         if found is None:
             continue  # a parameter table's own entries
-        hint, valid = found
+        hint, valid, section = found
         if hint is KeyError:
-            problems.append(f"{table}.{name}={format_value(value)}: unknown key; valid keys in {table}: {valid}")
+            problems.append(f"{table}.{name}={format_value(value)}: unknown key; valid keys in {section}: {valid}")
         elif not dataclasses.is_dataclass(hint) and not (isinstance(value, str) and "${" in value):
             try:
                 coerce(hint, value, f"{table}.{name}")

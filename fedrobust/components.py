@@ -677,6 +677,8 @@ def check_rule(aggregator: Aggregator, *, d: int = 5) -> None:
     ``n`` is the pipeline's ``min_n()`` and ``2f + 3`` rows, whichever is larger. Run on a fresh
     pipeline (a stateful rule's state moves).
 
+    Its ``state_dict()`` after that call must hold tensors only.
+
     Raises
     ------
     ValueError
@@ -700,3 +702,16 @@ def check_rule(aggregator: Aggregator, *, d: int = 5) -> None:
         )
     if not bool(torch.isfinite(out).all()):
         raise ValueError(f"{where}: contract check: returned NaN or infinity for finite [{n}, {d}] updates")
+    # Read before every round (a rollback's snapshot) and at every checkpoint: tensors only, said here and
+    # not as an AttributeError at the start of round 1.
+    try:
+        state = aggregator.state_dict()
+    except Exception as err:
+        raise ValueError(f"{where}: contract check: state_dict() raised {type(err).__name__}: {err}") from None
+    not_tensors = [(k, type(v).__name__) for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        key, kind = not_tensors[0]
+        raise ValueError(
+            f"{where}: contract check: state_dict() must map names to torch tensors (checkpoints and rollbacks "
+            f"keep them); {key!r} is of type {kind}: return e.g. torch.tensor(value)"
+        )

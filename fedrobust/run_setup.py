@@ -92,20 +92,30 @@ def _check_pipeline(cfg: RunConfig, problems: list[str]) -> tuple[bool, bool]:
     listed = cfg.listed_pre_aggregators()
     joined = [pre for pre in listed if aggregators.PIPELINE_SEPARATOR in pre]
     for pre in joined:  # a pipeline's '+' in the list of pre-aggregators
+        whole = None if cfg.aggregator._target_ else _whole_pipeline(pre.split("+"), cfg.aggregator.name)
+        other = f", or name the whole pipeline: aggregator.name={whole}" if whole else ""
         _problem(problems, "aggregator.pre", pre,
                  f"aggregator.pre separates its names with commas: aggregator.pre='{','.join(pre.split('+'))}' "
-                 f"(quoted for Hydra), or name the whole pipeline: aggregator.name={pre}+{cfg.aggregator.name}")
+                 f"(quoted for Hydra){other}")
     valid = [pre not in joined and _choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in listed]
     pre_ok = all(valid)
     if listed and named_pre:
+        whole = _whole_pipeline([p for pre in listed for p in pre.split("+")], cfg.aggregator.name)
         _problem(
             problems, "aggregator.pre", cfg.aggregator.pre,
             f"aggregator.name={cfg.aggregator.name!r} already names its pre-aggregators; name the whole "
-            f"pipeline in aggregator.name (e.g. {'+'.join([*listed, cfg.aggregator.name])!r}), or set "
-            "aggregator.name to a bare rule",
+            "pipeline in aggregator.name" + (f" (e.g. {whole!r})" if whole else ", each stage once")
+            + ", or set aggregator.name to a bare rule",
         )
         pre_ok = False
     return rule_ok, pre_ok
+
+
+def _whole_pipeline(stages: list[str], name: str) -> str | None:
+    """``stages`` in front of the pipeline ``name``, as one aggregator.name; None where a stage would be named
+    twice (refused: the name would be no fix)."""
+    names = [*stages, *name.split(aggregators.PIPELINE_SEPARATOR)]
+    return aggregators.PIPELINE_SEPARATOR.join(names) if len(set(names)) == len(names) else None
 
 
 def build_aggregator(cfg: RunConfig) -> aggregators.Aggregator:

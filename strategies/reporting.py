@@ -142,7 +142,9 @@ def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
     for row in rows:
         entries = (*row.get("filtered_nodes", []), *row.get("excluded_nodes", []))
         counts.update({(e["node"], e.get("partition")) for e in entries})
-    often = sorted(((c, node) for node, c in counts.items() if 2 * c > len(rows)), key=lambda t: (-t[0], t[1][0]))
+    # Ties by partition where known (node ids are drawn anew each run), then by node id.
+    often = sorted(((c, node) for node, c in counts.items() if 2 * c > len(rows)),
+                   key=lambda t: (-t[0], t[1][1] if isinstance(t[1][1], int) else -1, t[1][0]))
     if not often:
         return ""
     names = [f"{_node({'node': node, 'partition': partition})} {c}/{len(rows)}" for c, (node, partition) in often]

@@ -467,14 +467,15 @@ class RoundLoop:
             "rejected": dict(sorted(outcome.rejected.items())),
             "rejected_nodes": outcome.rejected_nodes,
             "dropped": len(outcome.dropped),
-            "dropped_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.dropped)],
+            # By partition where known, as the rows: node ids are drawn anew each run, the rows' order is not.
+            "dropped_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in s._order(outcome.dropped)],
             "filtered": len(outcome.filtered),
             "filtered_nodes": [
                 {"node": n, "partition": s.partitions.get(n), "by": outcome.filtered_by.get(n)}
-                for n in sorted(outcome.filtered)
+                for n in s._order(outcome.filtered)
             ],
             "excluded": len(outcome.excluded),
-            "excluded_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in sorted(outcome.excluded)],
+            "excluded_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in s._order(outcome.excluded)],
             "client_errors": dict(outcome.client_errors),
             "quarantined": sorted(n for n in s.liveness.known_nodes() if s.liveness.status(n) == "quarantined"),
             "aggregated": outcome.aggregated,

@@ -196,6 +196,36 @@ def test_library_api_takes_a_dotted_path_or_a_callable(on_path: Path) -> None:
         RobustStrategy(aggregator=module.WrongShape, num_byzantine=1)
 
 
+def test_a_rule_whose_state_holds_other_than_tensors_is_refused_before_any_round() -> None:
+    """state_dict() is read before every round (a rollback's snapshot): a plain number in it failed at the
+    start of round 1 with an AttributeError; the contract check names it."""
+    from fedrobust import RobustStrategy
+
+    class CountsCalls:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def __call__(self, updates: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return updates.median(dim=0).values
+
+        def state_dict(self) -> dict[str, object]:
+            return {"calls": self.calls}
+
+        def load_state_dict(self, state: dict[str, object]) -> None:
+            self.calls = int(state["calls"])  # type: ignore[call-overload]
+
+    with pytest.raises(ValueError, match=r"contract check: state_dict\(\) must map names to torch tensors "
+                                         r"\(checkpoints and rollbacks keep them\); 'calls' is of type int"):
+        RobustStrategy(aggregator=CountsCalls(), num_byzantine=1, progress=False)
+
+    class CountsCallsInATensor(CountsCalls):
+        def state_dict(self) -> dict[str, object]:
+            return {"calls": torch.tensor(self.calls)}
+
+    RobustStrategy(aggregator=CountsCallsInATensor(), num_byzantine=1, progress=False)  # as the contract says
+
+
 def test_a_user_rule_names_the_rows_it_gave_no_weight(on_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     module = __import__(MODULE)
     rows = torch.tensor([[0.0, 1.0], [1.0, 2.0], [2.0, 3.0], [3.0, 4.0], [100.0, -100.0]])

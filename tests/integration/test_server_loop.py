@@ -142,3 +142,19 @@ def test_more_nodes_than_num_clients_are_named_before_the_first_round(
     with caplog.at_level("WARNING", logger="fedrobust.strategies.server_app"):
         run_inprocess(cfg, tmp_path / "as_many")  # as many nodes as num_clients: nothing to say
     assert not [r for r in caplog.records if r.name == "fedrobust.strategies.server_app"]
+
+
+def test_the_rows_name_nodes_in_partition_order_whatever_ids_the_nodes_have(tmp_path: Path) -> None:
+    # Flower draws node ids anew in each simulation: the rows' lists of nodes follow the partitions (as the
+    # update rows do), so two runs of one config write the same lists, partition for partition.
+    from experiments.inprocess import node_ids_for
+
+    cfg = small_config(tmp_path, num_rounds=2, num_clients=6, clients_per_round=6, **{"aggregator.name": "krum"})
+    ids = node_ids_for(cfg.seed, 6)
+    runs = []
+    for name, order in (("ascending", sorted(ids)), ("descending", sorted(ids, reverse=True))):
+        nodes = {node: {"partition-id": i, "num-partitions": 6} for i, node in enumerate(order)}
+        rows = run_inprocess(cfg, tmp_path / name, nodes=nodes)
+        runs.append([[e["partition"] for e in row["excluded_nodes"]] for row in rows])
+    assert runs[0] == runs[1]
+    assert all(len(excluded) == 5 and excluded == sorted(excluded) for excluded in runs[0])  # krum keeps one

@@ -376,6 +376,8 @@ def test_a_pipeline_out_of_order_says_the_order(
         ("checkpoint.dir=ftp2://x/y", "checkpoint.dir=ftp2://x/y: unknown storage protocol 'ftp2'"),
         ("aggregator.pre=nnm+bucketing", "aggregator.pre=nnm+bucketing: aggregator.pre separates its names with "
                                          "commas: aggregator.pre='nnm,bucketing'"),
+        ("aggregator.pre=clipping,nnm", "aggregator.pre=clipping,nnm: a sweep over values runs with -m (--multirun); "
+                                        "for a list of pre-aggregators quote it: \"aggregator.pre='clipping,nnm'\""),
         # Accepted and ignored, the run would go on as if they were not given.
         ("server_optimizer.momentum=0.5", "server_optimizer.momentum=0.5: server_optimizer=fedavg does not use it "
                                           "(only fedavgm)"),
@@ -385,6 +387,8 @@ def test_a_pipeline_out_of_order_says_the_order(
         ("-m server_optimizer=fedavg,fedadam server_optimizer.momentum=0.5",
          "server_optimizer.momentum=0.5: server_optimizer=fedavg does not use it (only fedavgm)"),
         ("fault={bogus:30}", "fault.bogus=30: unknown key; valid keys in fault: "),
+        # A misspelled section in the middle of a key: the section that lacks it is named, with its keys.
+        ("aggregator.parms.alpha=1", "aggregator.parms.alpha=1: unknown key; valid keys in aggregator: ['_target_', "),
         ("fault={round_timeout:abc}", "fault.round_timeout=abc: must be a number"),
         ("attack=mimic +attack.params.target=20", "attack.params.target=20: must be the row of an honest reply, "
                                                   "in [0, 15]"),
@@ -734,3 +738,47 @@ def test_output_dir_on_the_hydra_command_line_points_at_hydra_run_dir(
         checked_run_config({**RunConfig().to_flat(), "output_dir": str(tmp_path / "afile")})
     assert refused.value.problems == [
         f"output_dir={tmp_path / 'afile'}: must be a directory (a file of that name exists)"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        ({"aggregator.name": "median"}, "aggregator.pre=clipping+nnm: aggregator.pre separates its names with commas: "
+         "aggregator.pre='clipping,nnm' (quoted for Hydra), or name the whole pipeline: "
+         "aggregator.name=clipping+nnm+median"),
+        # The default pipeline has an nnm already: the whole name would be refused, so it is not offered.
+        ({}, "aggregator.pre=clipping+nnm: aggregator.pre separates its names with commas: "
+         "aggregator.pre='clipping,nnm' (quoted for Hydra)"),
+        # With _target_ the name is not read: naming the pipeline would drop the stages.
+        ({"aggregator._target_": "tests.unit.test_config_errors._median_rule"},
+         "aggregator.pre=clipping+nnm: aggregator.pre separates its names with commas: "
+         "aggregator.pre='clipping,nnm' (quoted for Hydra)"),
+    ],
+    ids=["named-rule", "default-pipeline", "target"],
+)
+def test_a_pipeline_in_aggregator_pre_is_answered_with_a_fix_that_works(settings: dict[str, str], line: str) -> None:
+    from fedrobust.config import from_flat
+    from fedrobust.run_setup import config_problems
+
+    problems = config_problems(from_flat({"aggregator.pre": "clipping+nnm", **settings}))
+    assert [p for p in problems if p.startswith("aggregator.pre=clipping+nnm: aggregator.pre separates")] == [line]
+
+
+def test_stages_listed_in_front_of_a_named_pipeline_get_an_example_only_where_it_is_valid() -> None:
+    from fedrobust.config import from_flat
+    from fedrobust.run_setup import config_problems
+
+    def said(pre: str, name: str) -> list[str]:
+        problems = config_problems(from_flat({"aggregator.pre": pre, "aggregator.name": name}))
+        return [p.split(": ", 1)[1] for p in problems if "already names its pre-aggregators" in p]
+
+    assert said("clipping", "nnm+trimmed_mean") == [
+        "aggregator.name='nnm+trimmed_mean' already names its pre-aggregators; name the whole pipeline in "
+        "aggregator.name (e.g. 'clipping+nnm+trimmed_mean'), or set aggregator.name to a bare rule"]
+    assert said("clipping,nnm", "nnm+trimmed_mean") == [  # nnm twice would be refused: no example
+        "aggregator.name='nnm+trimmed_mean' already names its pre-aggregators; name the whole pipeline in "
+        "aggregator.name, each stage once, or set aggregator.name to a bare rule"]
+
+
+def _median_rule(f: int) -> Any:
+    return lambda updates: updates.median(dim=0).values
