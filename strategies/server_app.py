@@ -150,6 +150,7 @@ def run_experiment(
         timeout=cfg.fault.round_timeout,
         evaluate_fn=central_evaluate_fn(cfg),
     )
+    say_if_at_chance(cfg, result)
     state = {k: v.contiguous() for k, v in result.arrays.to_torch_state_dict().items()}
     # Written whole, then renamed: a run is finished when the file exists (docs/flwr_run.md), so a crash
     # while writing must not leave a partial one. Mode as the other outputs (the umask's).
@@ -183,6 +184,31 @@ def say_if_more_nodes_than_clients(grid: Grid, cfg: RunConfig, strategy: RobustS
         "the connected nodes), not clients_per_round=%d%s%s. Set num_clients=%d (and clients_per_round), or run "
         "%d nodes",
         connected, cfg.num_clients, sampled, cfg.clients_per_round, shares, keys, connected, cfg.num_clients,
+    )
+
+
+CHANCE_MARGIN = 0.05  # accuracy points above 1 / num_classes that still count as guessing
+
+
+def say_if_at_chance(cfg: RunConfig, result: Result) -> None:
+    """Warn when a run without an attack ends at chance accuracy: the model did not learn, which neither the
+    divergence guard (a loss of ln(num_classes) is finite and steady) nor the rows say. A drill's attack may
+    bring any model there, so runs with one are left to their rows."""
+    from fedrobust.components import dataset_spec
+
+    evaluations = result.evaluate_metrics_serverapp
+    if cfg.attack.name != "none" or cfg.num_rounds < 3 or not evaluations:
+        return
+    accuracy = evaluations[max(evaluations)].get("accuracy")
+    num_classes = dataset_spec(cfg).num_classes
+    if not isinstance(accuracy, int | float) or accuracy > 1 / num_classes + CHANCE_MARGIN:
+        return
+    c = cfg.client
+    log.warning(
+        "final accuracy %.4f is chance level for %d classes after %d rounds, with no attack: the model did not "
+        "learn. Usual causes: training settings too strong or too weak for this model (client.lr=%g, "
+        "client.momentum=%g, client.local_epochs=%d), or labels that do not match the inputs",
+        accuracy, num_classes, max(evaluations), c.lr, c.momentum, c.local_epochs,
     )
 
 

@@ -158,3 +158,21 @@ def test_the_rows_name_nodes_in_partition_order_whatever_ids_the_nodes_have(tmp_
         runs.append([[e["partition"] for e in row["excluded_nodes"]] for row in rows])
     assert runs[0] == runs[1]
     assert all(len(excluded) == 5 and excluded == sorted(excluded) for excluded in runs[0])  # krum keeps one
+
+
+def test_a_run_that_ends_at_chance_without_an_attack_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A model that does not learn (here: a learning rate that moves nothing) ends at a finite, steady loss of
+    # about ln(10), which the divergence guard leaves alone: the end of the run says it.
+    cfg = small_config(tmp_path, num_rounds=3, **{"client.lr": 1e-12, "server_optimizer.lr": 1e-12})
+    with caplog.at_level("WARNING", logger="fedrobust.strategies.server_app"):
+        rows = run_inprocess(cfg, tmp_path / "still")
+    said = [m for m in caplog.messages if "chance level" in m]
+    assert rows[-1]["accuracy"] <= 0.15 and said == [
+        f"final accuracy {rows[-1]['accuracy']:.4f} is chance level for 10 classes after 3 rounds, with no attack: "
+        "the model did not learn. Usual causes: training settings too strong or too weak for this model "
+        "(client.lr=1e-12, client.momentum=0.9, client.local_epochs=3), or labels that do not match the inputs"]
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedrobust.strategies.server_app"):
+        trained = run_inprocess(small_config(tmp_path, num_rounds=3), tmp_path / "trained")
+    assert trained[-1]["accuracy"] > 0.5 and not [m for m in caplog.messages if "chance level" in m]
