@@ -148,10 +148,29 @@ def _seeded_global_rng(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _has_batch_norm_1d(model: nn.Module) -> bool:
-    """BatchNorm1d: on ``[1, C]`` it has one value per channel and fails in training; BatchNorm2d/3d
-    (the built-in resnet's) train on one sample, whose spatial values are several per channel."""
-    return any(isinstance(m, nn.BatchNorm1d | nn.LazyBatchNorm1d) for m in model.modules())
+class _LoneSampleProbe:
+    """Watches the batch norms' inputs during one forward pass in training: would a batch of one sample give
+    any of them a single value per channel? Then it fails ("Expected more than 1 value per channel when
+    training"): BatchNorm1d on ``[N, C]``, BatchNorm2d on 1x1 maps. The shapes decide, not the layer's type:
+    BatchNorm1d on sequences and BatchNorm2d on larger maps (the built-in resnet's) train on one sample."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.fails = False
+        self._handles = [
+            m.register_forward_pre_hook(self._look)
+            for m in model.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]
+
+    def _look(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        x = args[0]
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] > 0 and x[0, 0].numel() == 1:
+            self.fails = True
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 _logged: set[str] = set()
@@ -197,7 +216,8 @@ def train(
         Passes over the dataset (>= 1).
     batch_size : int
         Mini-batch size (>= 1); the last batch of an epoch may be smaller. A last batch of one sample is dropped
-        from each epoch when the model has BatchNorm1d (which cannot normalise a single sample while training).
+        from each epoch when a batch norm of the model would see a single value per channel on it (BatchNorm1d on
+        ``[N, C]``, BatchNorm2d on 1x1 maps), which it cannot normalise while training.
     lr : float
         Learning rate (> 0).
     momentum : float, default 0.0
@@ -244,17 +264,12 @@ def train(
     else:
         optimizer = _FunctionalSGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     # Batch norm in training mode cannot normalise a batch of one sample ("Expected more than 1 value per channel
-    # when training"): drop that lone last sample, as drop_last would; only then, so that every other case keeps
-    # its bytes. The sampler draws the same order either way: only which sample sits out changes, per epoch.
-    drop_last = num_examples > batch_size and num_examples % batch_size == 1 and _has_batch_norm_1d(model)
-    if drop_last:
-        _log_once(
-            "the model has BatchNorm1d and a partition of %d examples leaves a last batch of 1 (batch_size %d): "
-            "that sample is left out of each epoch (a different one each epoch)",
-            num_examples,
-            batch_size,
-        )
-    seen = num_examples - 1 if drop_last else num_examples
+    # when training"): that lone last sample is left out, as drop_last would, when the first batch shows that a
+    # batch norm would get a single value per channel; only then, so that every other case keeps its bytes. The
+    # sampler draws the same order either way: only which sample sits out changes, per epoch.
+    lone_last = num_examples > batch_size and num_examples % batch_size == 1
+    probe = _LoneSampleProbe(model) if lone_last else None
+    skip_lone = False
     # The generator alone decides the batch order (RandomSampler and the loader's base seed draw from it).
     loader = DataLoader(
         dataset,
@@ -262,33 +277,51 @@ def train(
         shuffle=True,
         generator=torch.Generator().manual_seed(seed),
         pin_memory=device.type == "cuda",
-        drop_last=drop_last,
     )
     non_blocking = device.type == "cuda"
 
-    with _seeded_global_rng(seed, device), _deterministic_cuda(deterministic and device.type == "cuda"):
-        for _ in range(epochs):
-            # Sums stay on the device so that the loop does not wait for the GPU after every batch.
-            loss_sum = torch.zeros((), device=device)
-            correct = torch.zeros((), dtype=torch.int64, device=device)
-            for inputs, targets in loader:
-                inputs = inputs.to(device, non_blocking=non_blocking)
-                targets = targets.to(device, non_blocking=non_blocking)
-                optimizer.zero_grad(set_to_none=True)
-                with _autocast(amp, device):
-                    logits = model(inputs)
-                    loss = F.cross_entropy(logits, targets)
-                if scaler is not None:
-                    scaler.scale(loss).backward()
-                    assert isinstance(optimizer, torch.optim.Optimizer)  # built so above
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    optimizer.step()
-                loss_sum += loss.detach().float() * targets.shape[0]
-                correct += (logits.detach().argmax(dim=1) == targets).sum()
+    try:
+        with _seeded_global_rng(seed, device), _deterministic_cuda(deterministic and device.type == "cuda"):
+            for _ in range(epochs):
+                # Sums stay on the device so that the loop does not wait for the GPU after every batch.
+                loss_sum = torch.zeros((), device=device)
+                correct = torch.zeros((), dtype=torch.int64, device=device)
+                for inputs, targets in loader:
+                    if skip_lone and len(targets) == 1:
+                        continue
+                    inputs = inputs.to(device, non_blocking=non_blocking)
+                    targets = targets.to(device, non_blocking=non_blocking)
+                    optimizer.zero_grad(set_to_none=True)
+                    with _autocast(amp, device):
+                        logits = model(inputs)
+                        loss = F.cross_entropy(logits, targets)
+                    if probe is not None:  # the first batch has run through every batch norm
+                        probe.close()
+                        skip_lone, probe = probe.fails, None
+                        if skip_lone:
+                            _log_once(
+                                "the model has a batch norm that sees one value per channel on a single sample "
+                                "(BatchNorm1d on [N, C] or BatchNorm2d on 1x1 maps) and a partition of %d examples "
+                                "leaves a last batch of 1 (batch_size %d): that sample is left out of each epoch "
+                                "(a different one each epoch)",
+                                num_examples,
+                                batch_size,
+                            )
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                        assert isinstance(optimizer, torch.optim.Optimizer)  # built so above
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        loss.backward()
+                        optimizer.step()
+                    loss_sum += loss.detach().float() * targets.shape[0]
+                    correct += (logits.detach().argmax(dim=1) == targets).sum()
+    finally:
+        if probe is not None:  # the forward pass failed before the probe had its answer: leave no hook behind
+            probe.close()
 
+    seen = num_examples - 1 if skip_lone else num_examples
     mean_loss = loss_sum.item() / seen
     if not math.isfinite(mean_loss):
         logger.warning("training loss is %s (lr=%s): the local model diverged", mean_loss, lr)

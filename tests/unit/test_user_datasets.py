@@ -204,7 +204,7 @@ def test_a_bad_item_is_reported_with_its_error_type() -> None:
         components._as_tensors(Items(2, lambda i: (torch.zeros(2), "cat")), "training")
 
 
-# ------------------------------------------------------------------------ batch norm (4)
+# ------------------------------------------------------------------------ batch norm (5)
 def _bn_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
@@ -263,3 +263,27 @@ def test_the_drop_applies_only_to_batch_norm_and_a_last_batch_of_one() -> None:
     conv = Conv()
     training.train(conv, _blobs(17), epochs=1, batch_size=8, lr=0.1, device="cpu", seed=0)
     assert conv.seen == 17
+
+
+def test_the_shapes_a_batch_norm_sees_decide_the_drop_not_its_type() -> None:
+    """BatchNorm2d after global pooling sees 1x1 maps (one value per channel on one sample, as a ResNet's
+    head): it fails on a lone last sample, which is left out; BatchNorm1d on sequences trains on it."""
+
+    class Net(nn.Module):
+        def __init__(self, body: nn.Module, shape: tuple[int, ...]) -> None:
+            super().__init__()
+            self.body, self.shape, self.seen = body, shape, 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen += len(x)
+            return self.body(x.reshape(-1, *self.shape))
+
+    pooled = nn.Sequential(
+        nn.Conv2d(1, 3, 1), nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(3, 2)
+    )
+    sequence = nn.Sequential(nn.Conv1d(1, 3, 1), nn.BatchNorm1d(3), nn.Flatten(), nn.Linear(12, 2))
+    for body, shape, seen in ((pooled, (1, 2, 2), 16), (sequence, (1, 4), 17)):
+        net = Net(body, shape)
+        training.train(net, _blobs(17), epochs=1, batch_size=8, lr=0.1, device="cpu", seed=0)
+        assert net.seen == seen, body
+        assert not any(m._forward_pre_hooks for m in net.modules())  # the probe leaves no hook behind
