@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedrobust import server_optim, signing
+from fedrobust import plot, server_optim, signing
 from fedrobust.config import RunConfig
 from fedrobust.strategies.checkpointing import RUN_SETTINGS_KEY
 from fedrobust.strategies.evaluation import server_update_fn
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
+
+logger = logging.getLogger(__name__)
 
 
 def resolved_json(cfg: RunConfig) -> str:
@@ -40,6 +46,45 @@ def run_settings(cfg: RunConfig) -> dict[str, Any]:
     for key in ("checkpoint", "output_dir", "num_rounds", "fault", "simulation"):
         values.pop(key)
     return values
+
+
+RESULT_FILES = ("final_model.safetensors", "metrics.jsonl")  # a run's results
+RUN_FILES = (*RESULT_FILES, "resolved_config.json", plot.PICTURE_FILE, "final.json")  # and what goes with them
+
+
+def set_earlier_results_aside(out_dir: Path, first_round: int) -> Path | None:
+    """Before a fresh run (``first_round`` 1) writes into ``out_dir``: move an earlier run's files there into
+    ``aside-<time>/`` and return that folder, so that nothing of that run is lost (its metrics would be started
+    over, its final model replaced, and until then one run's model would sit beside another's config) and
+    nothing of it passes for this run's (a final model says that a run finished: docs/flwr_run.md). A resume
+    continues its own run's files."""
+    held = [name for name in RESULT_FILES if (out_dir / name).is_file() and (out_dir / name).stat().st_size > 0]
+    if first_round > 1 or not held:
+        return None
+    aside = out_dir / time.strftime("aside-%Y%m%d-%H%M%S")
+    while aside.exists():  # two fresh starts within a second
+        aside = aside.with_name(aside.name + "-1")
+    aside.mkdir()
+    moved = [name for name in RUN_FILES if (out_dir / name).is_file()]
+    for name in moved:
+        os.replace(out_dir / name, aside / name)
+    logger.warning(
+        "starting fresh in %s, which held an earlier run's results: moved %s to %s", out_dir, ", ".join(moved), aside
+    )
+    return aside
+
+
+def _start_in(out_dir: Path, cfg: RunConfig) -> Callable[[int], None]:
+    """The strategy's ``on_start`` for a run that writes into ``out_dir``."""
+
+    def on_start(first_round: int) -> None:
+        set_earlier_results_aside(out_dir, first_round)
+        # An earlier picture must not pass for this run's (a resume draws its own at the end).
+        (out_dir / plot.PICTURE_FILE).unlink(missing_ok=True)
+        # Once the run goes ahead: a refused resume leaves the record of the earlier run's settings alone.
+        (out_dir / RUN_FILES[2]).write_text(resolved_json(cfg))
+
+    return on_start
 
 
 def trust_store_for(cfg: RunConfig) -> signing.TrustStore | None:
@@ -110,8 +155,7 @@ def strategy_from_config(
         seed=cfg.seed,
         discover_partitions=True,
         metrics_path=out_dir / "metrics.jsonl" if out_dir is not None else None,
-        # Once the run goes ahead: a refused resume leaves the record of the earlier run's settings alone.
-        on_start=(lambda _: (out_dir / "resolved_config.json").write_text(resolved_json(cfg))) if out_dir else None,
+        on_start=_start_in(out_dir, cfg) if out_dir is not None else None,
         progress=progress,
         update_hook=update_hook,
         # Lazy: the root data set is loaded only if the rule asks for the server's update (fltrust).

@@ -117,6 +117,8 @@ class RoundLoop:
         arrays = initial_arrays
         first_round = 1
         resumed = self.checkpointer.restore(initial_arrays)
+        if s.on_start is not None:  # before the metrics file is touched: it may refuse the run
+            s.on_start(resumed.round + 1 if resumed is not None else 1)
         if resumed is not None:
             # In the model's own key order, as an uninterrupted run keeps it: the checkpoint gives its
             # tensors back in safetensors' order, and the order of the keys is the layout of the update
@@ -148,8 +150,6 @@ class RoundLoop:
                 if initial is not None:
                     self.result.evaluate_metrics_serverapp[0] = initial
                     self.initial_evaluation = dict(initial)
-        if s.on_start is not None:
-            s.on_start(first_round)
         self.result.arrays = arrays
         try:
             self.first_round = first_round  # its deadline also covers the ClientApps' start-up

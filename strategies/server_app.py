@@ -134,8 +134,6 @@ def run_experiment(
     """
     validate(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if picture:  # an earlier run's picture in a reused output_dir must not pass for this run's
-        (out_dir / plot.PICTURE_FILE).unlink(missing_ok=True)
     attackers = sorted(byzantine_partitions(cfg))
     if attackers:  # so that the rounds' rejected, filtered and excluded nodes can be read against them
         log.info("attack %s played by partitions %s", cfg.attack.name, ", ".join(map(str, attackers)))

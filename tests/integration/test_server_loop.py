@@ -11,6 +11,7 @@ import torch
 
 from experiments.inprocess import run_inprocess
 from fedrobust.checkpoint import CheckpointMismatchError
+from fedrobust.strategies.errors import QuorumError
 from tests.support.simulation import replace_update, small_config, tampering_client
 
 
@@ -82,6 +83,26 @@ def test_a_refused_resume_leaves_the_earlier_run_s_files_alone(tmp_path: Path) -
     fresh = small_config(tmp_path, num_rounds=1, **shared, **{"checkpoint.resume": "never"})
     rows = run_inprocess(fresh, Path(fresh.output_dir))
     assert [r["round"] for r in rows] == [1]  # a fresh run's metrics start over, without the earlier rows
+    # ... and the earlier run's files are set aside whole, not overwritten.
+    (aside,) = (tmp_path / "out").glob("aside-*")
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    assert (tmp_path / "out" / "final_model.safetensors").read_bytes() != before["final_model.safetensors"]
+
+
+def test_a_fresh_run_that_fails_before_training_leaves_an_earlier_run_s_results_whole(tmp_path: Path) -> None:
+    """A reused output directory and a run that cannot train (too few nodes answer): the earlier run's
+    results are set aside before the failing run writes anything, and no final model is left to say that
+    the failed run finished."""
+    out = tmp_path / "out"
+    first = small_config(tmp_path, num_rounds=1, output_dir=str(out))
+    run_inprocess(first, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    failing = small_config(tmp_path, num_rounds=1, output_dir=str(out), **{"fault.wait_for_nodes": 0.5})
+    with pytest.raises(QuorumError):
+        run_inprocess(failing, out, nodes={0: {"partition-id": 0, "num-partitions": 4}})
+    (aside,) = out.glob("aside-*")
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == before
+    assert not (out / "final_model.safetensors").exists()
 
 
 def test_same_config_and_seed_give_the_same_final_model_bytes(tmp_path: Path) -> None:
