@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from fedrobust import aggregators, attacks, components, data, models, signing
+from fedrobust.checkpoint_mirror import is_same_place
 from fedrobust.config import (
     CHECKPOINT_INTERVAL_AUTO,
     RESUME_MODES,
@@ -99,6 +100,12 @@ def _check_pipeline(cfg: RunConfig, problems: list[str]) -> tuple[bool, bool]:
                  f"(quoted for Hydra){other}")
     valid = [pre not in joined and _choice(problems, "aggregator.pre", pre, aggregators.pre_names()) for pre in listed]
     pre_ok = all(valid)
+    twice = sorted({pre for pre in listed if listed.count(pre) > 1})
+    if twice:  # its parameters are set by its name (aggregator.pre_params.<name>): a second one is a typo
+        _problem(problems, "aggregator.pre", cfg.aggregator.pre,
+                 f"names {', '.join(map(repr, twice))} more than once; each stage once, e.g. "
+                 f"aggregator.pre='{','.join(dict.fromkeys(listed))}'")
+        pre_ok = False
     if listed and named_pre:
         whole = _whole_pipeline([p for pre in listed for p in pre.split("+")], cfg.aggregator.name)
         _problem(
@@ -108,7 +115,7 @@ def _check_pipeline(cfg: RunConfig, problems: list[str]) -> tuple[bool, bool]:
             + ", or set aggregator.name to a bare rule",
         )
         pre_ok = False
-    return rule_ok, pre_ok
+    return rule_ok, pre_ok and order is None  # a stage out of order or twice is said once, by the hint
 
 
 def _whole_pipeline(stages: list[str], name: str) -> str | None:
@@ -399,7 +406,9 @@ def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "fault.over_select", cfg.fault.over_select, 0)
     _at_least(problems, "fault.grace_after_quorum", cfg.fault.grace_after_quorum, 0, " (0: off)")
     _at_least(problems, "fault.max_round_retries", cfg.fault.max_round_retries, 0)
-    _at_least(problems, "fault.wait_for_nodes", cfg.fault.wait_for_nodes, 0)
+    if not 0 < cfg.fault.wait_for_nodes < math.inf:  # the nodes' answers to the partition query take time
+        _problem(problems, "fault.wait_for_nodes", cfg.fault.wait_for_nodes,
+                 "must be > 0 and finite (seconds for the nodes to connect and answer the partition query)")
     problems += liveness_problems(cfg.liveness)
     factor = cfg.guard.divergence_factor
     if not (factor == 0 or factor > 1):
@@ -548,6 +557,9 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
         raise ValueError(
             f"checkpoint.mirror={ck.mirror}: needs checkpoint.dir, the local directory written first and uploaded"
         )
+    if ck.mirror and is_same_place(ck.mirror, ck.dir):
+        raise ValueError(f"checkpoint.mirror={ck.mirror}: is checkpoint.dir itself; a mirror is a second place (a "
+                         "share, s3://...) that keeps the checkpoints when the first one is lost")
     if ck.force_resume and not ck.dir:
         raise ValueError("checkpoint.force_resume=true: needs checkpoint.dir; without checkpoints there is nothing "
                          "to resume")

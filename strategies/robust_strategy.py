@@ -311,7 +311,8 @@ class RobustStrategy(Strategy):
         died then costs a round this grace instead of the whole deadline; a run in which the grace
         cut a round short is timing-dependent, so not reproducible bit for bit.
     wait_for_nodes : float
-        Seconds to wait for ``min_available_nodes`` before giving up (Flower waits forever).
+        Seconds to wait for ``min_available_nodes`` before giving up (Flower waits forever); 0: start with the
+        nodes connected now (not with ``discover_partitions``, whose query takes time).
     liveness : LivenessConfig or mapping, optional
         When a node is suspected, dead or quarantined (``fedrobust.config.LivenessConfig``).
     divergence_factor, lr_decay : float

@@ -226,9 +226,17 @@ def _check_key(name: Any, f: int, pre: Any, params: Mapping[str, Any]) -> tuple[
 
 
 def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], f: int) -> list[PreAggregator]:
-    """The pre-aggregators ``pre`` names (as in :func:`build`), each built with ``f``."""
-    stages = []
+    """The pre-aggregators ``pre`` names (as in :func:`build`), each built with ``f``. A stage given twice
+    with the same parameters is refused, as a pipeline name that repeats a stage is: a typo, most likely."""
+    stages, seen = [], []
     for item in _pre_items(pre):
+        if item in seen:
+            once: list[Any] = []
+            for stage in _pre_items(pre):
+                if stage not in once:
+                    once.append(dict(stage) if isinstance(stage, Mapping) else stage)
+            raise ValueError(f"pre names {item!r} more than once; each stage once, e.g. {once!r}")
+        seen.append(item)
         if isinstance(item, Mapping):
             stage_params = dict(item)
             stage_name = stage_params.pop("name", None)
@@ -239,6 +247,10 @@ def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], 
                 )
         else:
             stage_name, stage_params = item, {}
+        if isinstance(stage_name, str) and stage_name not in _PRES and any(sep in stage_name for sep in ",+"):
+            listed = [s.strip() for s in stage_name.replace("+", ",").split(",")]
+            raise ValueError(f"unknown pre-aggregator {stage_name!r}: give the stages as a list, e.g. pre={listed!r} "
+                             f"(valid names: {', '.join(_PRES)})")
         stages.append(_construct(_lookup(_PRES, stage_name, "pre-aggregator"), f, stage_params))
     return stages  # type: ignore[return-value]
 

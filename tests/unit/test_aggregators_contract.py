@@ -273,6 +273,20 @@ def test_unknown_names_and_parameters_list_the_valid_ones():
         aggregators.build("mean", pre=["clipping"])
 
 
+def test_a_pre_list_written_as_one_string_or_with_a_stage_twice_says_how_to_write_it():
+    with pytest.raises(ValueError, match=r"unknown pre-aggregator 'clipping,nnm': give the stages as a list, e\.g\. "
+                                         r"pre=\['clipping', 'nnm'\]"):
+        aggregators.build("krum", f=1, pre="clipping,nnm")
+    with pytest.raises(ValueError, match=r"pre=\['winsorize', 'nnm'\]"):
+        aggregators.build("krum", f=1, pre="winsorize+nnm")
+    with pytest.raises(ValueError, match=r"pre names 'nnm' more than once; each stage once, e\.g\. \['nnm', 'arc'\]"):
+        aggregators.build("krum", f=1, pre=["nnm", "arc", "nnm"])
+    # The same stage with other parameters is two stages.
+    clip = {"name": "clipping", "threshold": 5.0}
+    twice = aggregators.build("mean", pre=[clip, {**clip, "threshold": 2.0}])
+    assert [p.name for p in twice.pre] == ["clipping", "clipping"]
+
+
 def test_a_pipeline_name_builds_its_stages_in_order():
     x = data(12, d=40, dtype=torch.float32)
     joined = aggregators.build("winsorize+nnm+trimmed_mean", f=2)

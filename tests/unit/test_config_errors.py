@@ -108,7 +108,7 @@ WRONG: dict[str, Wrong] = {
     "fault.over_select": Wrong("-1", "-1", "must be >= 0"),
     "fault.grace_after_quorum": Wrong("-5.0", "-5.0", "must be >= 0 (0: off)"),
     "fault.max_round_retries": Wrong("-1", "-1", "must be >= 0"),
-    "fault.wait_for_nodes": Wrong("-1.0", "-1.0", "must be >= 0"),
+    "fault.wait_for_nodes": Wrong("0.0", "0.0", "must be > 0 and finite (seconds for the nodes to connect"),
     "liveness.suspect_after": Wrong("0", "0", "must be >= 1"),
     "liveness.dead_after": Wrong("0", "0", "must be >= liveness.suspect_after (1)"),
     "liveness.backoff_rounds": Wrong("0", "0", "must be >= 1"),
@@ -392,6 +392,13 @@ def test_a_pipeline_out_of_order_says_the_order(
         ("fault={round_timeout:abc}", "fault.round_timeout=abc: must be a number"),
         ("attack=mimic +attack.params.target=20", "attack.params.target=20: must be the row of an honest reply, "
                                                   "in [0, 15]"),
+        # A stage twice: refused as in a pipeline name (its parameters are set by its name).
+        ("aggregator=krum aggregator.pre='nnm,clipping,nnm'",
+         "aggregator.pre=nnm,clipping,nnm: names 'nnm' more than once; each stage once, e.g. "
+         "aggregator.pre='nnm,clipping'"),
+        # A mirror in the directory itself keeps nothing that a lost disk takes.
+        ("checkpoint.dir=/tmp/fr-ck checkpoint.mirror=file:///tmp/fr-ck/",
+         "checkpoint.mirror=file:///tmp/fr-ck/: is checkpoint.dir itself"),
     ],
 )
 def test_values_hydra_or_a_later_step_refused_with_a_traceback_get_one_line(
