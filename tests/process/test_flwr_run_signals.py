@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,17 +57,17 @@ SETTINGS = {"num_rounds": ROUNDS, "num_clients": 4, "num_byzantine": 1, "clients
 STOPPED = "is on disk"  # "stopping: the checkpoint of round N is on disk"
 
 
-def _run_config(out: Path, ckpt: Path) -> str:
-    pairs = [f"{k}={v}" for k, v in SETTINGS.items()] + [f"output_dir='{out}'", f"checkpoint.dir='{ckpt}'"]
+def _run_config(out: Path, ckpt: Path, settings: dict[str, object] = SETTINGS) -> str:
+    pairs = [f"{k}={v}" for k, v in settings.items()] + [f"output_dir='{out}'", f"checkpoint.dir='{ckpt}'"]
     return " ".join(pairs)
 
 
-def _flwr_run(fp: FlowerProcesses, out: Path, ckpt: Path, name: str) -> Proc:
+def _flwr_run(fp: FlowerProcesses, out: Path, ckpt: Path, name: str, settings: dict[str, object] = SETTINGS) -> Proc:
     log = fp.tmp_path / f"{name}.log"
     with log.open("ab") as sink:
         popen = subprocess.Popen(
             [executable("flwr"), "run", str(app_copy(REPO, fp.tmp_path / "app")), FEDERATION, "--stream",
-             "--run-config", _run_config(out, ckpt)],
+             "--run-config", _run_config(out, ckpt, settings)],
             cwd=REPO, env=fp.env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return Proc(name=name, popen=popen, log_path=log)
@@ -142,12 +143,11 @@ def every_checkpoint_verifies(ckpt: Path) -> int:
     return committed(ckpt)
 
 
-def _reference(tmp_path: Path) -> bytes:
+def _reference(tmp_path: Path, settings: dict[str, object] = SETTINGS) -> bytes:
     from experiments.inprocess import run_inprocess
     from fedrobust.config import from_flat
 
-    settings = {k: v for k, v in SETTINGS.items() if not k.startswith("checkpoint.")}
-    run_inprocess(from_flat(settings), tmp_path / "ref")
+    run_inprocess(from_flat({k: v for k, v in settings.items() if not k.startswith("checkpoint.")}), tmp_path / "ref")
     return (tmp_path / "ref" / "final_model.safetensors").read_bytes()
 
 
@@ -198,6 +198,53 @@ def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_pat
         expected = reference.result(timeout=300)
     assert every_checkpoint_verifies(ckpt) == ROUNDS
     assert (out / "final_model.safetensors").read_bytes() == expected
+
+
+STOP_ROUNDS = 30  # 0.4-1 s a round: `flwr stop` (~3 s of CLI, ~1 s to land) stopped a run at round 14 of them
+
+
+@pytest.mark.slow(seconds=95)
+@pytest.mark.timeout(600)
+def test_flwr_stop_checkpoints_ends_the_run_and_resumes_to_identical_bytes(tmp_path: Path) -> None:
+    """``flwr stop <run-id>``: the SuperLink marks the run ``finished:stopped`` and revokes the task's token;
+    flwr-simulation's next call to it (a log upload after the next log line, at the latest a heartbeat,
+    every 17.5-22.5 s) gets 401, on which Flower has the process ``os.kill`` itself with SIGINT. The ServerApp
+    then checkpoints the last completed round and ends; no final model. The stop's log line cannot reach
+    the run's log any more (every upload is refused). The same ``flwr run`` resumes to the bytes of an
+    uninterrupted run."""
+    settings = {**SETTINGS, "num_rounds": STOP_ROUNDS}
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+
+    def flwr(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([executable("flwr"), *args], cwd=REPO, env=fp.env(), capture_output=True, text=True,
+                              timeout=60)
+
+    with ThreadPoolExecutor(1) as pool, FlowerProcesses(tmp_path) as fp:
+        link = _superlink(fp)
+        first = _flwr_run(fp, out, ckpt, "first", settings)
+        _wait_for_round(first, out, 1)
+        expected = pool.submit(_reference, tmp_path, settings)  # once Ray is up: the CPUs are the run's till then
+        run_id = re.search(r"Successfully started run (\d+)", first.log_path.read_text()).group(1)  # type: ignore[union-attr]
+        simulation = _simulation_pid(link)
+        stop = flwr("stop", run_id, FEDERATION)
+        stopped = time.monotonic()
+        assert stop.returncode == 0 and "successfully stopped" in stop.stdout, stop.stdout + stop.stderr
+        assert _finish(first, timeout=60) == 0, first.tail()
+        while _running(simulation) and time.monotonic() < stopped + 45:  # a heartbeat, then Flower's ~6 s exit
+            time.sleep(0.1)
+        assert not _running(simulation), f"flwr-simulation still runs 45 s after flwr stop\n{fp.tails()}"
+        listed = json.loads(flwr("ls", FEDERATION, "--run-id", run_id, "--format", "json").stdout)
+        assert [run["status"] for run in listed["runs"]] == ["finished:stopped"], listed
+        # checkpoint.every_rounds=0: a checkpoint before the last round is the stop's
+        stopped_at = every_checkpoint_verifies(ckpt)
+        assert 1 <= stopped_at < STOP_ROUNDS and _rounds_done(out) == stopped_at
+        assert not (out / "final_model.safetensors").exists()
+
+        second = _flwr_run(fp, out, ckpt, "second", settings)  # the same SuperLink: flwr stop leaves SuperExec running
+        assert _finish(second, timeout=300) == 0, second.tail()
+        assert f"resumed after round {stopped_at}" in second.log_path.read_text(), second.tail()
+        assert every_checkpoint_verifies(ckpt) == STOP_ROUNDS
+        assert (out / "final_model.safetensors").read_bytes() == expected.result(timeout=300)
 
 
 def test_flower_exit_path_requests_the_stop_and_waits_for_the_round_loop(monkeypatch: pytest.MonkeyPatch) -> None:
