@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 PICTURE_FILE = "rounds.png"
@@ -46,12 +49,18 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if path.is_dir():
         path = path / METRICS_FILE
     by_round: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    text = path.read_text()
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as bad:
+            if number == len(lines) and not text.endswith("\n"):  # a process killed while appending its row
+                logger.warning("%s:%d: the last row is cut off (the run was killed while writing it): left out",
+                               path, number)
+                continue
             raise ValueError(f"{path}:{number}: not a JSON metrics row ({bad.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("round"), int):
             raise ValueError(f"{path}:{number}: not a metrics row (no integer 'round')")
@@ -176,6 +185,11 @@ def draw(metrics: str | os.PathLike[str], out: str | os.PathLike[str] | None = N
     no metrics rows, OSError for one that cannot be read or written."""
     metrics = Path(metrics)
     target = Path(out) if out is not None else (metrics if metrics.is_dir() else metrics.parent) / PICTURE_FILE
+    if out is not None and (target.is_dir() or os.fspath(out).endswith(("/", os.sep))):  # a folder: the file in it
+        target.mkdir(parents=True, exist_ok=True)
+        target = target / PICTURE_FILE
+    elif not target.suffix:  # matplotlib would add .png: the path said is the one written
+        target = target.with_name(target.name + ".png")
     plot_rounds(read_rows(metrics), target)
     return target
 
@@ -183,7 +197,8 @@ def draw(metrics: str | os.PathLike[str], out: str | os.PathLike[str] | None = N
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fedrobust.plot", description=__doc__.split("\n")[0])
     parser.add_argument("metrics", type=Path, help=f"a run's {METRICS_FILE}, or the folder that holds it")
-    parser.add_argument("--out", type=Path, help=f"the PNG to write (default: {PICTURE_FILE} beside the metrics)")
+    parser.add_argument("--out", help=f"the PNG to write, or a folder (ending in /) to write {PICTURE_FILE} in "
+                                      f"(default: {PICTURE_FILE} beside the metrics)")
     args = parser.parse_args(argv)
     try:
         out = draw(args.metrics, args.out)

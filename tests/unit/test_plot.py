@@ -116,6 +116,24 @@ def test_the_command_writes_beside_the_metrics_and_refuses_a_missing_file(tmp_pa
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert edited.returncode == 2 and "edited.jsonl:1: not a metrics row ('rejected' is 3" in edited.stderr
     assert "Traceback" not in edited.stderr
+    # --out: a folder (ending in /) gets rounds.png in it; a name without a suffix gets .png, as matplotlib adds it.
+    for out, written in (("pics/", "pics/rounds.png"), ("picture", "picture.png")):
+        done = subprocess.run([sys.executable, "-m", "fedrobust.plot", str(tmp_path), "--out", f"{tmp_path}/{out}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.stdout.strip() == f"wrote {tmp_path / written}", done
+        assert (tmp_path / written).read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_last_row_cut_off_by_a_killed_run_is_left_out_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    whole = json.dumps(_row(1, 0.8)) + "\n" + json.dumps(_row(2, 0.9))
+    (tmp_path / "metrics.jsonl").write_text(whole[:-7])  # the second row's append was cut short
+    assert [r["round"] for r in read_rows(tmp_path)] == [1]
+    assert "metrics.jsonl:2: the last row is cut off" in caplog.text
+    (tmp_path / "metrics.jsonl").write_text(whole[:-7] + "\n")  # a whole line that is not JSON is refused
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not a JSON metrics row"):
+        read_rows(tmp_path)
 
 
 @pytest.mark.filterwarnings("error")  # matplotlib warns about a legend with nothing in it
