@@ -20,6 +20,7 @@ No private key material is printed.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -105,7 +106,28 @@ def generate(out: Path, clients: int, *, force: bool = False) -> list[str]:
         lines.append(line)
     binding = store.save(out / TRUST_DIR, overwrite=force)
     lines.append(f"trust store: {binding.parent}/ ({clients} public keys + {binding.name})")
+    if force:
+        lines += _remove_untrusted(out, clients)
     return lines
+
+
+def _remove_untrusted(out: Path, clients: int) -> list[str]:
+    """Remove the key files of clients ``clients`` and up, from an earlier, larger set that ``--force`` replaced:
+    the new trust store does not trust them, and a device given one would have every reply refused."""
+    pattern = re.compile(r"client-(\d+)\.(key|pub)")
+    gone: dict[int, list[Path]] = {}
+    for path in [*out.glob("client-*"), *(out / TRUST_DIR).glob("client-*")]:
+        match = pattern.fullmatch(path.name)
+        if match and int(match.group(1)) >= clients:
+            gone.setdefault(int(match.group(1)), []).append(path)
+    for paths in gone.values():
+        for path in paths:
+            path.unlink()
+    if not gone:
+        return []
+    ids = sorted(gone)
+    return [f"removed the keys of client(s) {', '.join(map(str, ids))} of the earlier set: the new trust store does "
+            "not trust them"]
 
 
 def _write_pair(out: Path, index: int, *, overwrite: bool) -> tuple[str, Ed25519PublicKey]:

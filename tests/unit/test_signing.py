@@ -670,6 +670,10 @@ def test_keygen_cli_writes_keys_and_trust_store(tmp_path: Path) -> None:
     assert forced.returncode == 0, forced.stderr
     assert (out / "client-0.key").read_bytes() != before
     assert stat.S_IMODE((out / "client-0.key").stat().st_mode) == 0o600
+    fewer = _keygen("--out", str(out), "--clients", "1", "--force")  # the earlier clients 1, 2: not trusted now
+    assert fewer.returncode == 0 and "removed the keys of client(s) 1, 2 of the earlier set" in fewer.stdout, fewer
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        "client-0.key", "client-0.pub", "trust/client-0.pub", "trust/trust.json"]
     both = _keygen("--out", str(out), "--clients", "6", "--replace", "1")
     assert both.returncode == 2 and "--clients and --replace cannot be combined" in both.stderr
 
