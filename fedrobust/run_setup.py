@@ -22,6 +22,7 @@ from fedrobust.checkpoint_mirror import is_same_place
 from fedrobust.config import (
     CHECKPOINT_INTERVAL_AUTO,
     RESUME_MODES,
+    AggregatorConfig,
     CheckpointConfig,
     ConfigError,
     LivenessConfig,
@@ -209,6 +210,16 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
         else:
             _problem(problems, "aggregator.params", cfg.aggregator.params, str(err))
         return
+    if rule.needs_server_update and cfg.aggregator.root_size >= 1 and 0 <= cfg.dataset.validation_fraction < 1:
+        size = components.training_size(cfg) if 0 <= cfg.seed <= SEED_MAX else None
+        if size is not None and cfg.aggregator.root_size > size:  # the root set is drawn from the training split
+            _problem(problems, "aggregator.root_size", cfg.aggregator.root_size,
+                     f"must be <= {size}, the training examples of {components.dataset_label(cfg.dataset)} (the "
+                     "root set is a small clean sample of them: Cao et al. use 100)")
+    elif cfg.aggregator.root_size >= 1 and cfg.aggregator.root_size != AggregatorConfig().root_size:
+        _problem(problems, "aggregator.root_size", cfg.aggregator.root_size,
+                 f"{rule_label} does not use it (only a rule that takes the server's own update: fltrust); "
+                 "leave it out")
     if attack is not None and attack.needs_server_update and not rule.needs_server_update:
         _problem(problems, "attack.name", cfg.attack.name,
                  f"needs the server's own update of each round, which {rule_label} does not compute: "

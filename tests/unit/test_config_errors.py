@@ -396,6 +396,11 @@ def test_a_pipeline_out_of_order_says_the_order(
         ("aggregator=krum aggregator.pre='nnm,clipping,nnm'",
          "aggregator.pre=nnm,clipping,nnm: names 'nnm' more than once; each stage once, e.g. "
          "aggregator.pre='nnm,clipping'"),
+        # The root set: drawn from the training split, and read by FLTrust only.
+        ("aggregator=fltrust aggregator.root_size=5000", "aggregator.root_size=5000: must be <= 1437, the training "
+                                                         "examples of digits"),
+        ("aggregator=krum aggregator.root_size=5", "aggregator.root_size=5: krum does not use it (only a rule that "
+                                                   "takes the server's own update: fltrust)"),
         # A mirror in the directory itself keeps nothing that a lost disk takes.
         ("checkpoint.dir=/tmp/fr-ck checkpoint.mirror=file:///tmp/fr-ck/",
          "checkpoint.mirror=file:///tmp/fr-ck/: is checkpoint.dir itself"),
