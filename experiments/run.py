@@ -399,6 +399,7 @@ def main(cfg: DictConfig) -> float:
         EXIT_PREEMPTED,
         AggregationError,
         CheckpointStorageError,
+        NodesBusyError,
         Preempted,
         QuorumError,
     )
@@ -419,9 +420,14 @@ def main(cfg: DictConfig) -> float:
     except Preempted as stopped:
         _say_preempted(stopped, run_cfg)
         sys.exit(EXIT_PREEMPTED)
-    except DirectoryInUseError as busy:  # temporary: the same command works once the other run has ended
+    # Temporary: the same command works once the other run has ended, or once the simulation's nodes (Ray's
+    # workers, slow to start on a loaded machine) answer in time.
+    except (DirectoryInUseError, NodesBusyError) as busy:
         if _full_error():
             raise
+        if HydraConfig.get().mode == RunMode.MULTIRUN and isinstance(busy, NodesBusyError):
+            _say_failed_job(busy)  # the sweep goes on with its next job
+            return float("nan")
         print(f"fedrobust: not started: {' '.join(str(busy).split())}", file=sys.stderr)
         sys.exit(EXIT_PREEMPTED)
     # QuorumError: also NoNodesError and ClientFailureError, nothing (more) could be trained. The

@@ -22,6 +22,11 @@ class NoNodesError(QuorumError):
     """Not enough nodes connected within the wait: nothing could be trained."""
 
 
+class NodesBusyError(NoNodesError):
+    """Enough nodes connected, too few answered the partition query within the wait: they may only be slow
+    (a loaded machine, a node working through a killed run's messages), so the same command may work later."""
+
+
 class AggregationError(RuntimeError):
     """The aggregation rule raised on a round's valid replies (a rule's bug, e.g. a user rule's): the
     message names the rule, the round and the error; the cause is the rule's own exception."""

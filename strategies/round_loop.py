@@ -26,7 +26,7 @@ from fedrobust.strategies import client_state
 from fedrobust.strategies.checkpointing import GuardState, RoundCheckpointer, model_is_finite
 from fedrobust.strategies.collect import push_and_collect
 from fedrobust.strategies.discovery import Discovery
-from fedrobust.strategies.errors import ClientFailureError, NoNodesError, Preempted, QuorumError
+from fedrobust.strategies.errors import ClientFailureError, NodesBusyError, NoNodesError, Preempted, QuorumError
 from fedrobust.strategies.replies import error_reason
 from fedrobust.strategies.reporting import MetricsLog
 
@@ -319,11 +319,15 @@ class RoundLoop:
                     "discover_partitions=False"
                 )
             if time.monotonic() >= deadline and connected >= need:
-                raise NoNodesError(
+                from flwr.superlink.grid import HttpGrid
+
+                busy = ("a SuperNode takes one message at a time, and after a server crash it first works through "
+                        "the killed run's messages (minutes under load)") if isinstance(self.grid, HttpGrid) else (
+                        "a simulation's ClientApps start in Ray's workers, which take minutes on a loaded machine")
+                raise NodesBusyError(
                     f"{connected} nodes connected, but only {have} of the {need} needed ({why}) "
                     f"answered the partition query within {s.wait_for_nodes:g} s; nothing was trained. Either "
-                    "the nodes are busy: a SuperNode takes one message at a time, and after a server crash it "
-                    "first works through the killed run's messages (minutes under load): run again, or wait "
+                    f"the nodes are busy: {busy}: run again, or wait "
                     "longer (wait_for_nodes; fault.wait_for_nodes in fedrobust's run config). Or their ClientApp "
                     "has no query handler: discover_partitions=True asks each node for its partition-id with a "
                     "query message; give it one, e.g. app.query()(fedrobust.partition_query) (fedrobust's own "
