@@ -36,6 +36,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -100,6 +101,7 @@ def _from_hub(name: str) -> Iterator[None]:
 _LABEL = "label"
 _DIGITS_FEATURE = "x"
 _DIGITS_TEST_FRACTION = 0.2
+_DIGITS_EXAMPLES = 1797  # scikit-learn's load_digits: 8x8 images of 10 digits
 # DirichletPartitioner re-draws (at most 10 times) until every partition has this many samples. A fixed 10 fails
 # often for many small partitions or a small alpha (digits, 20 partitions, alpha 0.1: about one seed in four), so
 # the bound is a tenth of the mean partition size, between 2 and 10 (10 for digits split 20 ways or fewer).
@@ -403,6 +405,8 @@ def training_size(name: str, *, seed: int, validation_fraction: float = 0.0) -> 
     reading files that may live on the clients only (digits); None otherwise."""
     if name != "digits":
         return None
+    if validation_fraction == 0:  # the split's size alone: no seed changes it, and no import of the splitters
+        return _DIGITS_EXAMPLES - math.ceil(_DIGITS_TEST_FRACTION * _DIGITS_EXAMPLES)  # as train_test_split cuts
     return len(_digits_splits(seed, validation_fraction)[0])
 
 

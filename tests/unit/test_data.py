@@ -336,3 +336,11 @@ def test_a_device_reading_its_own_file_imports_no_dataset_library(tmp_path: Path
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_digits_training_size_without_the_split_agrees_with_the_split(seed: int) -> None:
+    """The config check counts the clients against the training split without importing the splitters."""
+    assert data.training_size("digits", seed=seed) == len(data._digits_splits(seed)[0]) == 1437
+    held_out = data.training_size("digits", seed=seed, validation_fraction=0.1)
+    assert held_out == len(data._digits_splits(seed, 0.1)[0]) < 1437
