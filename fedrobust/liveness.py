@@ -117,6 +117,7 @@ class LivenessTracker:
         # these. After a resume the checkpoint's nodes that never show again (a simulation's nodes get new
         # ids) are not part of the federation any more; counted, they would stay "dead" in every row.
         self._heard: set[int] = set()
+        self._resumed = False  # set by forget_heard (a resume) until the next node list
 
     # ------------------------------------------------------------------------------------- events
     def observe_node(
@@ -157,8 +158,13 @@ class LivenessTracker:
             self._kill(self._nodes[node_id], self._round)
         if gone:
             shown = ", ".join(map(str, gone[:3])) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
-            logger.info("%s no longer listed by Flower: marked dead", f"node {shown}" if len(gone) == 1 else
-                        f"{len(gone)} nodes ({shown})")
+            nodes = f"node {shown}" if len(gone) == 1 else f"{len(gone)} nodes ({shown})"
+            if self._resumed:  # ids of the checkpoint's run: a simulation's nodes get new ones in every run
+                logger.info("%s of the checkpoint's run not connected now (a restarted simulation gives its nodes "
+                            "new ids): marked dead", nodes)
+            else:
+                logger.info("%s no longer listed by Flower: marked dead", nodes)
+        self._resumed = False
         return gone
 
     def record_reply(self, node_id: int, round: int, *, ok: bool = True, now: float | None = None) -> None:
@@ -262,6 +268,7 @@ class LivenessTracker:
         """A resume: the report counts only the nodes heard of from now on (see ``snapshot``). Not on every
         restore: a rollback within a run keeps counting the run's nodes."""
         self._heard = set()
+        self._resumed = True  # the next node list tells the checkpoint's nodes that are gone
 
     def snapshot(self) -> dict[str, int]:
         """Number of nodes per status, for the per-round report: the nodes heard of since this tracker was

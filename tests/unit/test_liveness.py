@@ -204,6 +204,17 @@ def test_a_node_flower_no_longer_lists_is_dead_and_not_reported_alive(caplog: py
     with caplog.at_level(logging.INFO, logger="fedrobust.liveness"):
         assert strategy.refresh_liveness(grid([5, 6, 7, 8]), 4) == [5, 6, 7, 8]
     assert [m for m in caplog.messages if "no longer listed" in m] == ["node 1 no longer listed by Flower: marked dead"]
+    # After a resume, the first node list tells the checkpoint's nodes that are gone as what they are.
+    strategy.liveness.forget_heard()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fedrobust.liveness"):
+        strategy.refresh_liveness(grid([9, 10]), 5)
+        strategy.refresh_liveness(grid([10]), 6)
+    assert [m for m in caplog.messages if "marked dead" in m] == [
+        "4 nodes (5, 6, 7 and 1 more) of the checkpoint's run not connected now (a restarted simulation gives its "
+        "nodes new ids): marked dead",
+        "node 9 no longer listed by Flower: marked dead",
+    ]
 
 
 def test_a_dead_node_that_drops_off_the_list_is_not_reported_again() -> None:
