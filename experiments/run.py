@@ -384,6 +384,22 @@ def _say_preempted(stopped: Preempted, run_cfg: RunConfig) -> None:
         print(f"{stopped}; no checkpoint (no round had completed): the same command starts over", flush=True)
 
 
+def _refuse_if_in_use(checkpoint_dir: str) -> None:
+    """Raise DirectoryInUseError before Ray starts (a minute on a loaded machine) when another run holds the
+    local checkpoint directory, as taking its lock at the start of training would; the lock is given back
+    at once (a run that takes it in between is refused there)."""
+    from fedrobust.dir_lock import DirectoryLock
+
+    if not checkpoint_dir or ("://" in checkpoint_dir and not checkpoint_dir.startswith("file://")):
+        return
+    lock = DirectoryLock(Path(checkpoint_dir.removeprefix("file://")).expanduser())
+    try:
+        lock.acquire()
+    except OSError:
+        return  # the checkpointer says what is wrong with the place, naming it
+    lock.release()
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     run_cfg = checked_run_config(cfg)
@@ -416,6 +432,7 @@ def main(cfg: DictConfig) -> float:
         os._exit(EXIT_PREEMPTED)
 
     try:
+        _refuse_if_in_use(run_cfg.checkpoint.dir)
         rows = simulate(run_cfg, out_dir, on_stuck_stop=exit_preempted_now, early_signals=EARLY_SIGNALS)
     except Preempted as stopped:
         _say_preempted(stopped, run_cfg)

@@ -630,6 +630,27 @@ def test_a_checkpoint_directory_in_use_or_nodes_too_slow_to_answer_exit_75_with_
     assert outcome.stderr == f"fedrobust: not started: {message}\n"
 
 
+def test_a_checkpoint_directory_another_run_holds_is_refused_before_the_engine_starts(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Found before Ray starts (a minute on a loaded machine), not at the start of training."""
+    from fedrobust.dir_lock import DirectoryLock
+
+    held = DirectoryLock(tmp_path / "ck")
+    held.acquire()
+    try:
+        outcome = _cli([f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'out'}"], monkeypatch,
+                       real_hydra=True)
+    finally:
+        held.release()
+    assert outcome.code == 75 and outcome.stderr.startswith(f"fedrobust: not started: {tmp_path / 'ck'} is in use "
+                                                            "by another run (another run in this process"), outcome
+    assert not engine_guard
+    done = _cli([f"checkpoint.dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'out2'}"], monkeypatch,
+                real_hydra=True)
+    assert done.code == 0 and len(engine_guard) == 1, done  # once free, the engine starts
+
+
 @pytest.mark.parametrize(
     ("ckpt_dir", "says"),
     [("", "no checkpoint (checkpoint.dir is empty)"), ("ck", "no checkpoint (no round had completed)")],
