@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median reported)")
     parser.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir)")
     args = parser.parse_args()
+    if args.dir is not None and not os.path.isdir(args.dir):
+        parser.error(f"--dir {args.dir}: no such directory (the disk to test is one that exists)")
 
     torch.set_num_threads(1)  # serialization is single-threaded anyway; keep the shared machine usable
     directory = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.dir)

@@ -430,7 +430,7 @@ def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
 
 def _check_checkpoint_basics(cfg: RunConfig, problems: list[str]) -> None:
     """The checkpoint settings every run has; the interval and storage ones are in _check_checkpoint."""
-    _at_least(problems, "checkpoint.keep", cfg.checkpoint.keep, 1)
+    _at_least(problems, "checkpoint.keep", cfg.checkpoint.keep, 1, " (the newest checkpoints kept on disk)")
     _at_least(problems, "checkpoint.every_seconds", cfg.checkpoint.every_seconds, 0, " (0: no time-based saves)")
     _choice(problems, "checkpoint.resume", cfg.checkpoint.resume, RESUME_MODES)
     for key, where in (("checkpoint.dir", cfg.checkpoint.dir), ("checkpoint.mirror", cfg.checkpoint.mirror)):

@@ -120,7 +120,7 @@ WRONG: dict[str, Wrong] = {
     "checkpoint.dir": Wrong("{file}/ckpt", "{file}/ckpt", "must be a directory or URL ({file} is a file)"),
     "checkpoint.every_rounds": Wrong("-1", "-1", "must be an integer >= 0"),
     "checkpoint.every_seconds": Wrong("-1.0", "-1.0", "must be >= 0 (0: no time-based saves)"),
-    "checkpoint.keep": Wrong("0", "0", "must be >= 1"),
+    "checkpoint.keep": Wrong("0", "0", "must be >= 1 (the newest checkpoints kept on disk)"),
     "checkpoint.resume": Wrong("always", "always", "unknown choice; valid choices: auto, never"),
     "checkpoint.force_resume": Wrong("maybe", "maybe", "must be true or false"),
     "checkpoint.mirror": Wrong("s3://bucket/run", "s3://bucket/run", "needs checkpoint.dir"),
