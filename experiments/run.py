@@ -43,7 +43,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 # Only the config module here (no torch): a mistyped override fails in well under a second.
-from fedrobust.config import ConfigError, RunConfig, coerce, format_value, from_nested
+from fedrobust.config import ConfigError, RunConfig, coerce, format_value, from_nested, storage_place
 
 if TYPE_CHECKING:
     from fedrobust.strategies.errors import Preempted
@@ -302,7 +302,8 @@ def _unused_in(job: Sequence[str]) -> list[tuple[str, str]]:
     except HydraException:
         return []
     chosen: dict[str, str | None] = {
-        "server_optimizer": RunConfig().server_optimizer.name, "partition": RunConfig().partition.name
+        "server_optimizer": RunConfig().server_optimizer.name, "partition": RunConfig().partition.name,
+        "aggregator": RunConfig().aggregator.name,
     }
     given: list[tuple[str, Any]] = []
     for override in parsed:
@@ -310,7 +311,9 @@ def _unused_in(job: Sequence[str]) -> list[tuple[str, str]]:
             continue
         key = override.key_or_group
         group = key.removesuffix(".name")
-        if group in chosen:
+        if key == "aggregator._target_":  # a user's rule may read any setting
+            chosen["aggregator"] = None
+        elif group in chosen:
             value = override.value()
             # An interpolation (${oc.env:OPT}) is resolved by Hydra: its choice is not known here.
             chosen[group] = value if isinstance(value, str) and "${" not in value else None
@@ -319,7 +322,10 @@ def _unused_in(job: Sequence[str]) -> list[tuple[str, str]]:
     readers: dict[str, tuple[str, list[str]]] = {
         "partition.alpha": ("partition", ["dirichlet"]),
         "partition.classes_per_partition": ("partition", ["pathological"]),
+        "aggregator.root_size": ("aggregator", ["fltrust"]),  # the server's root set: FLTrust's alone
     }
+    if chosen["aggregator"] is not None:  # a pipeline is read by its rule, the last stage
+        chosen["aggregator"] = chosen["aggregator"].split("+")[-1].strip()
     if any(key.startswith("server_optimizer.") for key, _ in given):
         # Imported only then: it imports torch, which a command refused for a type error never needs.
         from fedrobust.server_optim import PARAMS as OPTIMIZER_PARAMS
@@ -390,9 +396,10 @@ def _refuse_if_in_use(checkpoint_dir: str) -> None:
     at once (a run that takes it in between is refused there)."""
     from fedrobust.dir_lock import DirectoryLock
 
-    if not checkpoint_dir or ("://" in checkpoint_dir and not checkpoint_dir.startswith("file://")):
+    place = storage_place(checkpoint_dir) if checkpoint_dir else ""
+    if not place or "://" in place:  # no checkpoints, or an object store (no lock there)
         return
-    lock = DirectoryLock(Path(checkpoint_dir.removeprefix("file://")).expanduser())
+    lock = DirectoryLock(place)
     try:
         lock.acquire()
     except OSError:
@@ -511,7 +518,7 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
                     found = config_problems(run_cfg, local_devices=True)
                     for key, where in (("dir", run_cfg.checkpoint.dir), ("mirror", run_cfg.checkpoint.mirror)):
                         if where:
-                            checkpoint_places.setdefault(_same_place(where, cwd), []).append((number, key))
+                            checkpoint_places.setdefault(storage_place(where, cwd), []).append((number, key))
                 except ConfigError as err:
                     found = list(err.problems)
                 except (HydraException, OmegaConfBaseException) as err:
@@ -540,16 +547,6 @@ def shared_checkpoint_places(places: dict[str, list[tuple[int, str]]], labels: S
             f"checkpoint.{keys[0]}='<{keys[0]}>/${{hydra:job.num}}' or '<{keys[0]}>/${{seed}}'"
         )
     return problems
-
-
-def _same_place(where: str, cwd: Path | None = None) -> str:
-    """A checkpoint location in one spelling: a local path resolved (file:// included; a relative one
-    against ``cwd``, the job's working directory, when given), a URL as given."""
-    local = where.removeprefix("file://")
-    if "://" in local:
-        return where.rstrip("/")
-    path = Path(local).expanduser()
-    return str(((cwd / path) if cwd is not None and not path.is_absolute() else path).resolve())
 
 
 def _as_job(cfg: DictConfig, number: int) -> tuple[DictConfig, Path | None]:

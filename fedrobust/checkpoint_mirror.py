@@ -9,12 +9,10 @@ them in the package.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,19 +20,6 @@ import torch
 from fedrobust.checkpoint import Checkpoint, CheckpointStore, CommittedFiles, check_config_hash
 
 logger = logging.getLogger("fedrobust.checkpoint")  # one logger for the store and its mirror, as before
-
-def is_same_place(first: str | os.PathLike[str], second: str | os.PathLike[str]) -> bool:
-    """Whether two checkpoint places name one directory (a mirror there would keep nothing a lost disk took):
-    local paths (``file://`` too) compared resolved, URLs without a trailing ``/``."""
-
-    def place(where: str | os.PathLike[str]) -> str:
-        text = os.fspath(where)
-        if "://" in text and not text.startswith("file://"):
-            return text.rstrip("/")
-        return str(Path(text.removeprefix("file://")).expanduser().resolve())
-
-    return place(first) == place(second)
-
 
 class MirroredStore:
     """Checkpoints written to a local store first, then uploaded to a remote one in the background.

@@ -15,6 +15,7 @@ import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, get_type_hints
 
 RESUME_MODES = ("auto", "never")
@@ -166,6 +167,17 @@ class GuardConfig:
     divergence_factor: float = 10.0
     # Server learning rate multiplier applied after each rollback.
     lr_decay: float = 0.5
+
+
+def storage_place(where: str, cwd: Path | None = None) -> str:
+    """A checkpoint location in one spelling, to tell two settings that name one place: a local path
+    resolved (``file://`` included; a relative one against ``cwd`` when given), a URL without a trailing
+    ``/``."""
+    local = where.removeprefix("file://")
+    if "://" in local:
+        return where.rstrip("/")
+    path = Path(local).expanduser()
+    return str(((cwd / path) if cwd is not None and not path.is_absolute() else path).resolve())
 
 
 @dataclass

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="output directory (created if missing)")
     parser.add_argument("--clients", type=_client_count, help="number of clients N (partition ids 0..N-1)")
     how = parser.add_mutually_exclusive_group()
-    how.add_argument("--force", action="store_true", help="overwrite existing key files: every client a new key")
+    how.add_argument("--force", action="store_true", help="overwrite existing key files: every client a new key "
+                                                          "(and the key files of clients >= --clients removed)")
     how.add_argument(
         "--add", action="store_true",
         help="keep the existing keys and trust store; make keys for the clients 0..N-1 that have none",
@@ -83,7 +84,8 @@ def generate(out: Path, clients: int, *, force: bool = False) -> list[str]:
     clients : int
         Number of clients; partition ids are ``0 .. clients - 1``.
     force : bool
-        Overwrite existing files.
+        Overwrite existing files, and remove the key files of clients ``clients`` and up (an earlier, larger set,
+        which the new trust store does not trust).
 
     Raises
     ------
@@ -114,11 +116,11 @@ def generate(out: Path, clients: int, *, force: bool = False) -> list[str]:
 def _remove_untrusted(out: Path, clients: int) -> list[str]:
     """Remove the key files of clients ``clients`` and up, from an earlier, larger set that ``--force`` replaced:
     the new trust store does not trust them, and a device given one would have every reply refused."""
-    pattern = re.compile(r"client-(\d+)\.(key|pub)")
+    pattern = re.compile(r"client-(0|[1-9]\d*)\.(key|pub)")  # the names generate() writes, and no others
     gone: dict[int, list[Path]] = {}
     for path in [*out.glob("client-*"), *(out / TRUST_DIR).glob("client-*")]:
         match = pattern.fullmatch(path.name)
-        if match and int(match.group(1)) >= clients:
+        if match and int(match.group(1)) >= clients and path.is_file():
             gone.setdefault(int(match.group(1)), []).append(path)
     for paths in gone.values():
         for path in paths:

@@ -18,16 +18,15 @@ import numpy as np
 import torch
 
 from fedrobust import aggregators, attacks, components, data, models, signing
-from fedrobust.checkpoint_mirror import is_same_place
 from fedrobust.config import (
     CHECKPOINT_INTERVAL_AUTO,
     RESUME_MODES,
-    AggregatorConfig,
     CheckpointConfig,
     ConfigError,
     LivenessConfig,
     RunConfig,
     format_value,
+    storage_place,
 )
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import SCHEDULES as SERVER_LR_SCHEDULES
@@ -210,16 +209,16 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
         else:
             _problem(problems, "aggregator.params", cfg.aggregator.params, str(err))
         return
-    if rule.needs_server_update and cfg.aggregator.root_size >= 1 and 0 <= cfg.dataset.validation_fraction < 1:
-        size = components.training_size(cfg) if 0 <= cfg.seed <= SEED_MAX else None
+    if rule.needs_server_update and cfg.aggregator.root_size >= 1 and spec is not None \
+            and 0 <= cfg.dataset.validation_fraction < 1 and 0 <= cfg.seed <= SEED_MAX:
+        try:
+            size = components.training_size(cfg)
+        except Exception:  # a user loader that fails is reported by _check_dataset
+            size = None
         if size is not None and cfg.aggregator.root_size > size:  # the root set is drawn from the training split
             _problem(problems, "aggregator.root_size", cfg.aggregator.root_size,
                      f"must be <= {size}, the training examples of {components.dataset_label(cfg.dataset)} (the "
                      "root set is a small clean sample of them: Cao et al. use 100)")
-    elif cfg.aggregator.root_size >= 1 and cfg.aggregator.root_size != AggregatorConfig().root_size:
-        _problem(problems, "aggregator.root_size", cfg.aggregator.root_size,
-                 f"{rule_label} does not use it (only a rule that takes the server's own update: fltrust); "
-                 "leave it out")
     if attack is not None and attack.needs_server_update and not rule.needs_server_update:
         _problem(problems, "attack.name", cfg.attack.name,
                  f"needs the server's own update of each round, which {rule_label} does not compute: "
@@ -417,9 +416,9 @@ def _check_rounds(cfg: RunConfig, problems: list[str]) -> None:
     _at_least(problems, "fault.over_select", cfg.fault.over_select, 0)
     _at_least(problems, "fault.grace_after_quorum", cfg.fault.grace_after_quorum, 0, " (0: off)")
     _at_least(problems, "fault.max_round_retries", cfg.fault.max_round_retries, 0)
-    if not 0 < cfg.fault.wait_for_nodes < math.inf:  # the nodes' answers to the partition query take time
+    if not cfg.fault.wait_for_nodes > 0:  # on Flower's engines the nodes' answers to the partition query take time
         _problem(problems, "fault.wait_for_nodes", cfg.fault.wait_for_nodes,
-                 "must be > 0 and finite (seconds for the nodes to connect and answer the partition query)")
+                 "must be > 0 (seconds for the nodes to connect and answer the partition query; inf: no limit)")
     problems += liveness_problems(cfg.liveness)
     factor = cfg.guard.divergence_factor
     if not (factor == 0 or factor > 1):
@@ -568,7 +567,7 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
         raise ValueError(
             f"checkpoint.mirror={ck.mirror}: needs checkpoint.dir, the local directory written first and uploaded"
         )
-    if ck.mirror and is_same_place(ck.mirror, ck.dir):
+    if ck.mirror and storage_place(ck.mirror) == storage_place(ck.dir):
         raise ValueError(f"checkpoint.mirror={ck.mirror}: is checkpoint.dir itself; a mirror is a second place (a "
                          "share, s3://...) that keeps the checkpoints when the first one is lost")
     if ck.force_resume and not ck.dir:

@@ -163,8 +163,10 @@ class _LoneSampleProbe:
         ]
 
     def _look(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        # A frozen batch norm (eval mode, running statistics) normalises one sample; only batch statistics fail.
+        uses_batch = module.training or getattr(module, "running_mean", None) is None
         x = args[0]
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] > 0 and x[0, 0].numel() == 1:
+        if uses_batch and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[0] > 0 and x[0, 0].numel() == 1:
             self.fails = True
 
     def close(self) -> None:
@@ -287,8 +289,8 @@ def train(
                 loss_sum = torch.zeros((), device=device)
                 correct = torch.zeros((), dtype=torch.int64, device=device)
                 for inputs, targets in loader:
-                    if skip_lone and len(targets) == 1:
-                        continue
+                    if skip_lone and len(targets) == 1:  # fetched, as drop_last would not: a Dataset whose
+                        continue  # __getitem__ draws from the global RNG draws once more
                     inputs = inputs.to(device, non_blocking=non_blocking)
                     targets = targets.to(device, non_blocking=non_blocking)
                     optimizer.zero_grad(set_to_none=True)

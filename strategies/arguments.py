@@ -17,8 +17,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from fedrobust.checkpoint_mirror import is_same_place
-from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, LivenessConfig
+from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, LivenessConfig, storage_place
 from fedrobust.run_setup import checkpoint_place_problems, liveness_problems
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
@@ -162,9 +161,6 @@ def _check_ranges(a: SimpleNamespace) -> None:
           f"max_update_norm must be > 0 (None: no bound), got {a.max_update_norm!r}")
     check(a.round_deadline is None or a.round_deadline > 0, f"round_deadline must be > 0 s, got {a.round_deadline!r}")
     check(a.wait_for_nodes >= 0, f"wait_for_nodes must be >= 0 s, got {a.wait_for_nodes!r}")
-    check(a.wait_for_nodes > 0 or not a.discover_partitions,
-          "wait_for_nodes=0 with discover_partitions=True: the nodes' answers to the partition query take time, "
-          "so the run could never start; give it > 0 s")
     check(a.grace_after_quorum >= 0, f"grace_after_quorum must be >= 0 s (0: off), got {a.grace_after_quorum!r}")
     check(a.divergence_factor == 0 or a.divergence_factor > 1,
           f"divergence_factor must be > 1 (0: off), got {a.divergence_factor!r}")
@@ -191,7 +187,8 @@ def _check_choices(a: SimpleNamespace) -> None:
           "or a function (server_round, num_rounds) -> factor")
     check(not a.checkpoint_mirror or a.checkpoint_dir not in (None, ""),
           f"checkpoint_mirror={a.checkpoint_mirror!r} needs checkpoint_dir, the local directory written first")
-    check(not a.checkpoint_mirror or not is_same_place(a.checkpoint_mirror, a.checkpoint_dir),
+    check(not a.checkpoint_mirror or storage_place(os.fspath(a.checkpoint_mirror)) != storage_place(
+        os.fspath(a.checkpoint_dir)),
           f"checkpoint_mirror={a.checkpoint_mirror!r} is checkpoint_dir itself; a mirror is a second place (a "
           "share, s3://...) that keeps the checkpoints when the first one is lost")
     check(a.resume in RESUME_MODES, f"unknown resume {a.resume!r}; valid choices: {list(RESUME_MODES)}")

@@ -49,7 +49,8 @@ def run_settings(cfg: RunConfig) -> dict[str, Any]:
 
 
 RESULT_FILES = ("final_model.safetensors", "metrics.jsonl")  # a run's results
-RUN_FILES = (*RESULT_FILES, "resolved_config.json", plot.PICTURE_FILE, "final.json")  # and what goes with them
+RESOLVED_CONFIG = "resolved_config.json"
+RUN_FILES = (*RESULT_FILES, RESOLVED_CONFIG, plot.PICTURE_FILE, "final.json")  # and what goes with them
 
 
 def set_earlier_results_aside(out_dir: Path, first_round: int) -> Path | None:
@@ -61,9 +62,11 @@ def set_earlier_results_aside(out_dir: Path, first_round: int) -> Path | None:
     held = [name for name in RESULT_FILES if (out_dir / name).is_file() and (out_dir / name).stat().st_size > 0]
     if first_round > 1 or not held:
         return None
-    aside = out_dir / time.strftime("aside-%Y%m%d-%H%M%S")
+    stamp = time.strftime("aside-%Y%m%d-%H%M%S")
+    aside, count = out_dir / stamp, 1
     while aside.exists():  # two fresh starts within a second
-        aside = aside.with_name(aside.name + "-1")
+        count += 1
+        aside = out_dir / f"{stamp}-{count}"
     aside.mkdir()
     moved = [name for name in RUN_FILES if (out_dir / name).is_file()]
     for name in moved:
@@ -82,7 +85,7 @@ def _start_in(out_dir: Path, cfg: RunConfig) -> Callable[[int], None]:
         # An earlier picture must not pass for this run's (a resume draws its own at the end).
         (out_dir / plot.PICTURE_FILE).unlink(missing_ok=True)
         # Once the run goes ahead: a refused resume leaves the record of the earlier run's settings alone.
-        (out_dir / RUN_FILES[2]).write_text(resolved_json(cfg))
+        (out_dir / RESOLVED_CONFIG).write_text(resolved_json(cfg))
 
     return on_start
 

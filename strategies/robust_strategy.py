@@ -311,8 +311,8 @@ class RobustStrategy(Strategy):
         died then costs a round this grace instead of the whole deadline; a run in which the grace
         cut a round short is timing-dependent, so not reproducible bit for bit.
     wait_for_nodes : float
-        Seconds to wait for ``min_available_nodes`` before giving up (Flower waits forever); 0: start with the
-        nodes connected now (not with ``discover_partitions``, whose query takes time).
+        Seconds to wait for ``min_available_nodes`` before giving up (Flower waits forever; ``math.inf`` too);
+        0: start with the nodes there now (with ``discover_partitions``, those that have answered).
     liveness : LivenessConfig or mapping, optional
         When a node is suspected, dead or quarantined (``fedrobust.config.LivenessConfig``).
     divergence_factor, lr_decay : float
@@ -364,7 +364,9 @@ class RobustStrategy(Strategy):
     on_start : callable, optional
         ``on_start(first_round)``, called once the run's starting point is settled, before any round: 1,
         or the round after the checkpoint resumed from. A resume refused (other settings or model) raises
-        before it, so e.g. a run's record of its settings is written only for a run that goes ahead.
+        before it, so e.g. a run's record of its settings is written only for a run that goes ahead. It
+        comes before the strategy's state is restored from the checkpoint and before ``metrics_path`` is
+        started over or rewritten, so that it may set an earlier run's files aside (or raise to refuse).
     progress : bool
         Print one line per round and a final summary.
     return_freed_memory : bool

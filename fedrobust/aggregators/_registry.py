@@ -226,17 +226,10 @@ def _check_key(name: Any, f: int, pre: Any, params: Mapping[str, Any]) -> tuple[
 
 
 def build_pre(pre: Sequence[str | Mapping[str, Any]] | str | Mapping[str, Any], f: int) -> list[PreAggregator]:
-    """The pre-aggregators ``pre`` names (as in :func:`build`), each built with ``f``. A stage given twice
-    with the same parameters is refused, as a pipeline name that repeats a stage is: a typo, most likely."""
-    stages, seen = [], []
+    """The pre-aggregators ``pre`` names (as in :func:`build`), each built with ``f``. A list may repeat a
+    stage (a pipeline name, whose stages take their parameters by name, may not): it is the caller's own."""
+    stages = []
     for item in _pre_items(pre):
-        if item in seen:
-            once: list[Any] = []
-            for stage in _pre_items(pre):
-                if stage not in once:
-                    once.append(dict(stage) if isinstance(stage, Mapping) else stage)
-            raise ValueError(f"pre names {item!r} more than once; each stage once, e.g. {once!r}")
-        seen.append(item)
         if isinstance(item, Mapping):
             stage_params = dict(item)
             stage_name = stage_params.pop("name", None)

@@ -762,7 +762,6 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
                                        r"that name exists\)$"),
         ({"checkpoint_dir": "ck", "checkpoint_mirror": "nosuch://m"}, r"^checkpoint_mirror=nosuch://m: unknown"),
         ({"checkpoint_dir": "ck", "checkpoint_mirror": "./ck/"}, r"^checkpoint_mirror='./ck/' is checkpoint_dir"),
-        ({"wait_for_nodes": 0, "discover_partitions": True}, r"^wait_for_nodes=0 with discover_partitions=True: "),
         # As values come from a config file: a string names the argument, its value and its type.
         ({"fraction_train": "0.5"}, r"^fraction_train must be a number, got '0.5' \(str\)$"),
         ({"max_update_norm": "10"}, r"^max_update_norm must be a number or None, got '10' \(str\)$"),

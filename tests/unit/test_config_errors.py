@@ -69,7 +69,7 @@ WRONG: dict[str, Wrong] = {
         '{"arc": {}}',
         "which the pipeline ['consistency', 'direction', 'dedup', 'winsorize', 'nnm', 'trimmed_mean'] does not run",
     ),
-    "aggregator.root_size": Wrong("0", "0", "must be >= 1"),
+    "aggregator.root_size": Wrong("0", "0", "must be >= 1", ("aggregator=fltrust",)),
     "aggregator.device": Wrong("gpu", "gpu", "invalid device 'gpu'; valid: 'auto', 'cpu', 'cuda' or"),
     "dataset.name": Wrong("mnsit", "mnsit", "unknown choice; valid choices: cifar10, digits, mnist"),
     "dataset._target_": Wrong("no_such_pkg.load", "no_such_pkg.load", "cannot import 'no_such_pkg.load'"),
@@ -108,7 +108,7 @@ WRONG: dict[str, Wrong] = {
     "fault.over_select": Wrong("-1", "-1", "must be >= 0"),
     "fault.grace_after_quorum": Wrong("-5.0", "-5.0", "must be >= 0 (0: off)"),
     "fault.max_round_retries": Wrong("-1", "-1", "must be >= 0"),
-    "fault.wait_for_nodes": Wrong("0.0", "0.0", "must be > 0 and finite (seconds for the nodes to connect"),
+    "fault.wait_for_nodes": Wrong("0.0", "0.0", "must be > 0 (seconds for the nodes to connect"),
     "liveness.suspect_after": Wrong("0", "0", "must be >= 1"),
     "liveness.dead_after": Wrong("0", "0", "must be >= liveness.suspect_after (1)"),
     "liveness.backoff_rounds": Wrong("0", "0", "must be >= 1"),
@@ -399,8 +399,8 @@ def test_a_pipeline_out_of_order_says_the_order(
         # The root set: drawn from the training split, and read by FLTrust only.
         ("aggregator=fltrust aggregator.root_size=5000", "aggregator.root_size=5000: must be <= 1437, the training "
                                                          "examples of digits"),
-        ("aggregator=krum aggregator.root_size=5", "aggregator.root_size=5: krum does not use it (only a rule that "
-                                                   "takes the server's own update: fltrust)"),
+        ("aggregator=krum aggregator.root_size=5", "aggregator.root_size=5: aggregator=krum does not use it (only "
+                                                   "fltrust)"),
         # A mirror in the directory itself keeps nothing that a lost disk takes.
         ("checkpoint.dir=/tmp/fr-ck checkpoint.mirror=file:///tmp/fr-ck/",
          "checkpoint.mirror=file:///tmp/fr-ck/: is checkpoint.dir itself"),
@@ -415,6 +415,15 @@ def test_values_hydra_or_a_later_step_refused_with_a_traceback_get_one_line(
     assert outcome.code == 2 and "Traceback" not in outcome.stderr, outcome
     assert any(p.strip().startswith(line) for p in outcome.stderr.splitlines()[1:]), outcome.stderr
     assert not engine_guard
+
+
+def test_a_sweep_over_rules_may_set_the_root_set_that_only_fltrust_reads(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    outcome = _cli(["-m", "aggregator=krum,fltrust", "aggregator.root_size=50", f"hydra.sweep.dir={tmp_path}"],
+                   monkeypatch, real_hydra=True)
+    assert outcome.code == 0 and "does not use it" not in outcome.stderr, outcome
+    assert len(engine_guard) == 2  # both jobs started
 
 
 def test_settings_for_other_choices_of_a_swept_group_and_table_overrides_are_accepted(

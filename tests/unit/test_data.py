@@ -3,6 +3,8 @@ local copy (no network)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -344,3 +346,8 @@ def test_digits_training_size_without_the_split_agrees_with_the_split(seed: int)
     assert data.training_size("digits", seed=seed) == len(data._digits_splits(seed)[0]) == 1437
     held_out = data.training_size("digits", seed=seed, validation_fraction=0.1)
     assert held_out == len(data._digits_splits(seed, 0.1)[0]) < 1437
+    fresh = subprocess.run([sys.executable, "-c", "import sys; from fedrobust import data; "
+                            f"n = data.training_size('digits', seed={seed}); "
+                            "print(n, 'sklearn' in sys.modules, 'datasets' in sys.modules)"],
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.stdout.split() == ["1437", "False", "False"], fresh

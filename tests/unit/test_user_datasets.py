@@ -287,3 +287,16 @@ def test_the_shapes_a_batch_norm_sees_decide_the_drop_not_its_type() -> None:
         training.train(net, _blobs(17), epochs=1, batch_size=8, lr=0.1, device="cpu", seed=0)
         assert net.seen == seen, body
         assert not any(m._forward_pre_hooks for m in net.modules())  # the probe leaves no hook behind
+
+    class Frozen(Net):
+        """Fine-tuning with the batch norm frozen (eval mode, its running statistics): one sample is fine."""
+
+        def train(self, mode: bool = True) -> Frozen:
+            super().train(mode)
+            self.body[2].eval()
+            return self
+
+    frozen = Frozen(nn.Sequential(nn.Conv2d(1, 3, 1), nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(3), nn.Flatten(),
+                                  nn.Linear(3, 2)), (1, 2, 2))
+    training.train(frozen, _blobs(17), epochs=1, batch_size=8, lr=0.1, device="cpu", seed=0)
+    assert frozen.seen == 17
