@@ -249,7 +249,7 @@ class RoundLoop:
             self.checkpointer.observe_round(time.perf_counter() - round_started)
             if self.checkpointer.current_interval is not None:
                 row["checkpoint_interval"] = self.checkpointer.current_interval  # the interval this round obeyed
-            if self.checkpointer.due(server_round) or server_round == self.num_rounds:
+            if self.checkpointer.due(server_round):  # the last round always is, when checkpoints are on
                 t0 = time.perf_counter()
                 self.checkpointer.save(
                     server_round,
