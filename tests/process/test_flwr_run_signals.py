@@ -203,7 +203,7 @@ def test_signals_under_flwr_run_checkpoint_and_resume_to_identical_bytes(tmp_pat
 STOP_ROUNDS = 40  # 0.4-1 s a round: `flwr stop` (~3 s of CLI, ~1 s to land) stopped a run at round 14-18 here
 
 
-@pytest.mark.slow(seconds=95)
+@pytest.mark.slow(seconds=110)
 @pytest.mark.timeout(600)
 def test_flwr_stop_checkpoints_ends_the_run_and_resumes_to_identical_bytes(tmp_path: Path) -> None:
     """``flwr stop <run-id>``: the SuperLink marks the run ``finished:stopped`` and revokes the task's token;
