@@ -180,6 +180,27 @@ def storage_place(where: str, cwd: Path | None = None) -> str:
     return str(((cwd / path) if cwd is not None and not path.is_absolute() else path).resolve())
 
 
+def mirror_overlap(mirror: str, directory: str) -> str:
+    """How a checkpoint mirror fails to be a second place: ``"itself"`` (the directory), ``"inside"`` (a
+    folder in it), ``"around"`` (it holds the directory), else ``""``. A lost disk takes either copy with the
+    other, and a resume that lists one would find the other's files in it."""
+    mirror, directory = storage_place(mirror), storage_place(directory)
+    if mirror == directory:
+        return "itself"
+    if mirror.startswith(directory.rstrip("/") + "/"):
+        return "inside"
+    if directory.startswith(mirror.rstrip("/") + "/"):
+        return "around"
+    return ""
+
+
+MIRROR_OVERLAP_TEXT = {
+    "itself": "is {dir_key} itself",
+    "inside": "is a folder inside {dir_key}",
+    "around": "holds {dir_key} inside it",
+}
+
+
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # fsspec URL or path; empty: no checkpoints

@@ -20,13 +20,14 @@ import torch
 from fedrobust import aggregators, attacks, components, data, models, signing
 from fedrobust.config import (
     CHECKPOINT_INTERVAL_AUTO,
+    MIRROR_OVERLAP_TEXT,
     RESUME_MODES,
     CheckpointConfig,
     ConfigError,
     LivenessConfig,
     RunConfig,
     format_value,
-    storage_place,
+    mirror_overlap,
 )
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import SCHEDULES as SERVER_LR_SCHEDULES
@@ -567,9 +568,11 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
         raise ValueError(
             f"checkpoint.mirror={ck.mirror}: needs checkpoint.dir, the local directory written first and uploaded"
         )
-    if ck.mirror and storage_place(ck.mirror) == storage_place(ck.dir):
-        raise ValueError(f"checkpoint.mirror={ck.mirror}: is checkpoint.dir itself; a mirror is a second place (a "
-                         "share, s3://...) that keeps the checkpoints when the first one is lost")
+    overlap = mirror_overlap(ck.mirror, ck.dir) if ck.mirror else ""
+    if overlap:
+        said = MIRROR_OVERLAP_TEXT[overlap].format(dir_key="checkpoint.dir")
+        raise ValueError(f"checkpoint.mirror={ck.mirror}: {said}; a mirror is a second place (a share, "
+                         "s3://...) that keeps the checkpoints when the first one is lost")
     if ck.force_resume and not ck.dir:
         raise ValueError("checkpoint.force_resume=true: needs checkpoint.dir; without checkpoints there is nothing "
                          "to resume")

@@ -17,7 +17,13 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, RESUME_MODES, LivenessConfig, storage_place
+from fedrobust.config import (
+    CHECKPOINT_INTERVAL_AUTO,
+    MIRROR_OVERLAP_TEXT,
+    RESUME_MODES,
+    LivenessConfig,
+    mirror_overlap,
+)
 from fedrobust.run_setup import checkpoint_place_problems, liveness_problems
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
@@ -187,9 +193,10 @@ def _check_choices(a: SimpleNamespace) -> None:
           "or a function (server_round, num_rounds) -> factor")
     check(not a.checkpoint_mirror or a.checkpoint_dir not in (None, ""),
           f"checkpoint_mirror={a.checkpoint_mirror!r} needs checkpoint_dir, the local directory written first")
-    check(not a.checkpoint_mirror or storage_place(os.fspath(a.checkpoint_mirror)) != storage_place(
-        os.fspath(a.checkpoint_dir)),
-          f"checkpoint_mirror={a.checkpoint_mirror!r} is checkpoint_dir itself; a mirror is a second place (a "
+    overlap = mirror_overlap(os.fspath(a.checkpoint_mirror), os.fspath(a.checkpoint_dir)) if a.checkpoint_mirror \
+        and a.checkpoint_dir not in (None, "") else ""
+    check(not overlap, f"checkpoint_mirror={a.checkpoint_mirror!r} "
+          f"{MIRROR_OVERLAP_TEXT.get(overlap, '').format(dir_key='checkpoint_dir')}; a mirror is a second place (a "
           "share, s3://...) that keeps the checkpoints when the first one is lost")
     check(a.resume in RESUME_MODES, f"unknown resume {a.resume!r}; valid choices: {list(RESUME_MODES)}")
     check(not a.force_resume or a.checkpoint_dir not in (None, ""),

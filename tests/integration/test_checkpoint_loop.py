@@ -210,6 +210,11 @@ def test_hydra_override_every_rounds_auto_and_numbers() -> None:
         ({"checkpoint_full_every": 0}, r"checkpoint_full_every must be an integer >= 1"),
         ({"checkpoint_mtbf": 0.0}, r"checkpoint_mtbf must be > 0 seconds \(None: estimated"),
         ({"checkpoint_mirror": "s3://b/run"}, r"checkpoint_mirror='s3://b/run' needs checkpoint_dir"),
+        ({"checkpoint_dir": "/tmp/ck", "checkpoint_mirror": "/tmp/ck/"}, r"'/tmp/ck/' is checkpoint_dir itself"),
+        ({"checkpoint_dir": "/tmp/ck", "checkpoint_mirror": "file:///tmp/ck/m"},
+         r"'file:///tmp/ck/m' is a folder inside checkpoint_dir; a mirror is a second place"),
+        ({"checkpoint_dir": "s3://b/run/local", "checkpoint_mirror": "s3://b/run"},
+         r"'s3://b/run' holds checkpoint_dir inside it"),
         ({"checkpoint_dir": "x", "checkpoint_storage_options": ["key"]}, r"checkpoint_storage_options must be a map"),
     ],
 )

@@ -306,9 +306,14 @@ def test_every_problem_is_listed_not_only_the_first(engine_guard: list[Any], mon
     assert not engine_guard
 
 
-def test_parameter_tables_take_a_new_key_without_plus(engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parameter_tables_take_a_new_key_without_plus(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """``aggregator.params.tau=-1`` is Hydra's ``++``: the rule's own check answers, not Hydra's struct error."""
-    outcome = _cli(["aggregator=centered_clipping", "aggregator.params.tau=-1"], monkeypatch, real_hydra=True)
+    # A folder of its own: Hydra's default outputs/<day>/<time> is shared by tests started in the same second
+    # on other workers, and a refused run removes that folder while another test's Hydra logs into it.
+    outcome = _cli(["aggregator=centered_clipping", "aggregator.params.tau=-1", f"hydra.run.dir={tmp_path}"],
+                   monkeypatch, real_hydra=True)
     _assert_one_problem(outcome, 'aggregator.params={"tau": -1}: ', "tau must be a finite number > 0")
     assert not engine_guard
 
@@ -404,14 +409,18 @@ def test_a_pipeline_out_of_order_says_the_order(
         # A mirror in the directory itself keeps nothing that a lost disk takes.
         ("checkpoint.dir=/tmp/fr-ck checkpoint.mirror=file:///tmp/fr-ck/",
          "checkpoint.mirror=file:///tmp/fr-ck/: is checkpoint.dir itself"),
+        ("checkpoint.dir=/tmp/fr-ck checkpoint.mirror=/tmp/fr-ck/copy",
+         "checkpoint.mirror=/tmp/fr-ck/copy: is a folder inside checkpoint.dir"),
+        ("checkpoint.dir=/tmp/fr-ck/local checkpoint.mirror=/tmp/fr-ck",
+         "checkpoint.mirror=/tmp/fr-ck: holds checkpoint.dir inside it"),
     ],
 )
 def test_values_hydra_or_a_later_step_refused_with_a_traceback_get_one_line(
-    override: str, line: str, engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
+    override: str, line: str, engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     extra = ["attack.params.target=12"] if override == "attack=backdoor" else []
-    outcome = _cli([*override.split(), *extra, "hydra.sweep.dir=/nonexistent/never-made"], monkeypatch,
-                   real_hydra=True)
+    outcome = _cli([*override.split(), *extra, "hydra.sweep.dir=/nonexistent/never-made",
+                    f"hydra.run.dir={tmp_path}"], monkeypatch, real_hydra=True)  # a folder of its own, as above
     assert outcome.code == 2 and "Traceback" not in outcome.stderr, outcome
     assert any(p.strip().startswith(line) for p in outcome.stderr.splitlines()[1:]), outcome.stderr
     assert not engine_guard
