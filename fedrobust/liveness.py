@@ -264,6 +264,20 @@ class LivenessTracker:
         """Every node id the tracker has heard of, sorted."""
         return sorted(self._nodes)
 
+    def carry_over(self, old_id: int, new_id: int) -> None:
+        """The node ``old_id`` of a checkpoint's run is ``new_id`` now (a restarted simulation gives the same
+        client a new id): its record, quarantine and rejections included, is the new id's, and the old id is
+        forgotten. What the new id's record held (its online report this run) gives way to it."""
+        node = self._nodes.pop(old_id, None)
+        if node is None or old_id == new_id:
+            if node is not None:
+                self._nodes[old_id] = node
+            return
+        node.offline = False  # the new id is listed: it is connected
+        self._nodes[new_id] = node
+        self._heard.discard(old_id)
+        self._heard.add(new_id)
+
     def forget_heard(self) -> None:
         """A resume: the report counts only the nodes heard of from now on (see ``snapshot``). Not on every
         restore: a rollback within a run keeps counting the run's nodes."""

@@ -525,6 +525,9 @@ class RobustStrategy(Strategy):
         # the counts are checkpointed, and a resume under other counts is warned about.
         self.num_partitions: dict[int, int] = {}
         self.checkpointed_num_partitions: list[int] = []
+        # node id -> partition of a restored checkpoint's nodes whose liveness record has not been carried over
+        # to this run's node on the same partition yet (a restarted simulation draws new node ids).
+        self._checkpoint_partitions: dict[int, int] = {}
         # Replies the last sampled round waits for (over-selected nodes come on top).
         self.planned_replies = 0
         self.run_id: int | str = 0
@@ -648,8 +651,10 @@ class RobustStrategy(Strategy):
     # ------------------------------------------------------------------ sampling
     def refresh_liveness(self, grid: Grid, server_round: int) -> list[int]:
         """Feed Flower's node list into the liveness tracker; return the nodes eligible in ``server_round``."""
+        nodes = list(grid.get_nodes())
+        self._carry_over_by_partition({info.node_id for info in nodes})
         node_ids = []
-        for info in grid.get_nodes():
+        for info in nodes:
             node_ids.append(info.node_id)
             status = getattr(info, "status", "")
             # Simulation nodes report no status; a node the SuperLink marks offline is dead now.
@@ -664,6 +669,24 @@ class RobustStrategy(Strategy):
             self.signatures.release_gone(listed)
             self._pins_checked = True
         return self.liveness.eligible(node_ids, server_round)
+
+    def _carry_over_by_partition(self, listed: set[int]) -> None:
+        """After a resume, give each checkpoint node's liveness record (a quarantine above all) to the node
+        that holds its partition now: a restarted simulation draws new node ids, and the client would
+        otherwise come back unquarantined while its old id stayed counted as proven faulty. Nodes whose
+        partition is not known yet are carried over at a later round's node list."""
+        if not self._checkpoint_partitions:
+            return
+        holders: dict[int, list[int]] = {}
+        for node, partition in self.partitions.items():
+            if node in listed:
+                holders.setdefault(partition, []).append(node)
+        for old, partition in list(self._checkpoint_partitions.items()):
+            if old in listed:  # the same id (a SuperNode that kept it): its record is its own already
+                del self._checkpoint_partitions[old]
+            elif len(holders.get(partition, [])) == 1:  # two nodes on one partition: no telling which
+                self.liveness.carry_over(old, holders[partition][0])
+                del self._checkpoint_partitions[old]
 
     def _order(self, node_ids: Iterable[int]) -> list[int]:
         """Nodes in a fixed order: by partition where known (node ids are random per run), then by id."""
@@ -1086,6 +1109,7 @@ class RobustStrategy(Strategy):
         # What this run's nodes report; a reused strategy's earlier nodes (other ids, other counts) do not count.
         self.num_partitions.clear()
         self.checkpointed_num_partitions = []
+        self._checkpoint_partitions = {}  # set again by a checkpoint this run resumes from
         self.liveness.forget_heard()  # nor in the liveness report
         wide = sorted(k for k, a in initial_arrays.items() if a.dtype == "float64")
         if wide:
@@ -1260,6 +1284,8 @@ class RobustStrategy(Strategy):
             "liveness": self.liveness.state_dict(),
             "signatures": self.signatures.state_dict(),
             "num_partitions": sorted(set(self.num_partitions.values())) or self.checkpointed_num_partitions,
+            # Which partition each node id held, so that a resume with new ids carries the records over.
+            "partitions": {str(n): p for n, p in sorted(self.partitions.items())},
         }
         return tensors, meta
 
@@ -1272,6 +1298,7 @@ class RobustStrategy(Strategy):
             self.liveness.load_state_dict(meta["liveness"])
         self.signatures.load_state_dict(meta.get("signatures", {}))
         self.checkpointed_num_partitions = [int(n) for n in meta.get("num_partitions", [])]
+        self._checkpoint_partitions = {int(n): int(p) for n, p in meta.get("partitions", {}).items()}
 
 
 def _strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -129,3 +129,25 @@ def test_a_cosine_server_lr_falls_every_round_and_a_stopped_run_resumes_on_its_s
     resumed = run_inprocess(cfg, tmp_path / "run")
     assert [r["server_lr"] for r in resumed] == pytest.approx([r["server_lr"] for r in rows])
     assert _final(tmp_path / "run") == _final(tmp_path / "whole")
+
+
+def test_a_quarantine_survives_a_restart_that_gives_the_nodes_new_ids(tmp_path: Path) -> None:
+    """A restarted simulation draws new node ids: the checkpoint's quarantine follows the partition, so the
+    quarantined client stays out and is counted once in f, and the resume ends with the uninterrupted bytes."""
+    faulty = {"attack.name": "nan", "num_clients": 7, "clients_per_round": 7, "num_byzantine": 2,
+              "num_rounds": 4, "liveness.quarantine_after": 1, "liveness.quarantine_rounds": 10}
+    reference = small_config(tmp_path, output_dir=str(tmp_path / "ref"), **faulty)
+    expected_rows = run_inprocess(reference, tmp_path / "ref")
+    assert [r["f_used"] for r in expected_rows] == [0, 0, 0, 0]  # both NaN clients quarantined in round 1
+    assert [r["sampled"] for r in expected_rows] == [7, 5, 5, 5]
+
+    cfg = small_config(tmp_path, output_dir=str(tmp_path / "run"), **faulty, **{"checkpoint.dir": str(tmp_path / "ck")})
+    strategies: list = []
+    with pytest.raises(Preempted):
+        run_inprocess(cfg, tmp_path / "run", client_app=_stopping_client(cfg, strategies, 2),
+                      on_strategy=strategies.append)
+    new_ids = {10_000 + 7 * i: {"partition-id": i, "num-partitions": 7} for i in range(7)}  # a restart's nodes
+    rows = run_inprocess(cfg, tmp_path / "run", nodes=new_ids)
+    assert [(r["round"], r["sampled"], r["f_used"]) for r in rows] == [
+        (r["round"], r["sampled"], r["f_used"]) for r in expected_rows]
+    assert _final(tmp_path / "run") == _final(tmp_path / "ref")

@@ -292,3 +292,21 @@ def test_a_rollback_within_a_run_keeps_counting_its_dead_nodes() -> None:
     strategy.load_state_dict(*strategy.state_dict())  # as a rollback does
     strategy.refresh_liveness(grid([1, 2, 3]), 3)
     assert strategy.liveness.snapshot() == {"alive": 3, "suspected": 0, "dead": 1, "quarantined": 0}
+
+
+def test_carry_over_gives_a_checkpoint_nodes_quarantine_to_its_new_id() -> None:
+    saved = LivenessTracker(quarantine_after=1, quarantine_rounds=5)
+    saved.record_rejection(7, 1, "nonfinite")
+    tracker = LivenessTracker(quarantine_after=1, quarantine_rounds=5)
+    tracker.load_state_dict(json.loads(json.dumps(saved.state_dict())))
+    tracker.forget_heard()  # a resume
+    tracker.observe_node(70, online=True)  # the same client, listed under the id a restart gave it
+    tracker.carry_over(7, 70)
+    tracker.observe_listed({70})
+    assert tracker.known_nodes() == [70] and tracker.status(70) == "quarantined"
+    assert tracker.snapshot()["quarantined"] == 1 and sum(tracker.snapshot().values()) == 1
+    released = [r for r in range(2, 12) if tracker.eligible([70], r)]
+    assert released == [r for r in range(2, 12) if saved.eligible([7], r)] and released[0] > 2  # when it was due
+    assert tracker.state_dict()["nodes"]["70"]["rejection_reasons"] == {"nonfinite": 1}
+    tracker.carry_over(8, 80)  # a node the checkpoint does not know: nothing to carry
+    assert tracker.known_nodes() == [70]
