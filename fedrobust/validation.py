@@ -69,7 +69,7 @@ def check_structure(update: Mapping[str, Any], template: Mapping[str, torch.Tens
     """
     if update.keys() != template.keys():
         missing, extra = sorted(set(template) - set(update)), sorted(set(update) - set(template))
-        return Rejection(WRONG_KEYS, f"missing {missing[:3]}, unexpected {extra[:3]}")
+        return Rejection(WRONG_KEYS, f"missing {_some(missing)}, unexpected {_some(extra)}")
     for key, ref in template.items():
         got = update[key]
         if tuple(got.shape) != tuple(ref.shape):
@@ -77,6 +77,11 @@ def check_structure(update: Mapping[str, Any], template: Mapping[str, torch.Tens
         if torch_dtype(got.dtype) != ref.dtype:
             return Rejection(WRONG_DTYPE, f"{key}: {got.dtype} != {ref.dtype}")
     return None
+
+
+def _some(keys: list[str], shown: int = 3) -> str:
+    """The first keys and how many more: a reply with a whole model's keys wrong says so in one line."""
+    return f"{keys[:shown]}" + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 def check_num_examples(num_examples: object, max_num_examples: int) -> Rejection | None:

@@ -232,7 +232,7 @@ class RoundLoop:
             if (why := self._diverged(new_arrays, row)) is not None:
                 arrays, state = before
                 s.load_state_dict(*state)
-                self._roll_back(server_round, row)
+                self._roll_back(server_round, row, self._why_variances_went_negative(self._state_of(new_arrays)))
                 rollbacks_this_round += 1
                 if rollbacks_this_round > s.max_round_retries:
                     raise QuorumError(f"round {server_round}: the model diverged {rollbacks_this_round} times ({why})")
@@ -560,13 +560,14 @@ class RoundLoop:
 
     def _diverged(self, arrays: ArrayRecord, row: dict[str, Any]) -> str | None:
         """Why the round's model counts as diverged, or None when it does not."""
-        if not model_is_finite(self._state_of(arrays)):
+        state = self._state_of(arrays)
+        if not model_is_finite(state):
             return "the model has NaN or infinite values"
         loss = row.get("loss")
         if loss is None:
             return None
         if not math.isfinite(loss):
-            return f"evaluation loss {loss}"
+            return f"evaluation loss {loss}{self._why_variances_went_negative(state)}"
         factor = self.strategy.divergence_factor
         if factor <= 0 or not math.isfinite(self.guard.best_loss):
             return None
@@ -579,7 +580,21 @@ class RoundLoop:
             )
         return None
 
-    def _roll_back(self, server_round: int, row: dict[str, Any]) -> None:
+    def _why_variances_went_negative(self, state: dict[str, torch.Tensor]) -> str:
+        """A batch norm's running variance below 0 makes every evaluation NaN while the weights are finite;
+        the aggregate of clients' variances never is, the server optimizer's momentum carries it there."""
+        negative = [k for k, v in state.items() if k.endswith("running_var") and bool((v < 0).any())]
+        if not negative:
+            return ""
+        shown = ", ".join(negative[:2]) + (f" and {len(negative) - 2} more" if len(negative) > 2 else "")
+        name = self.strategy.optimizer.name
+        step = ("the server optimizer 'fedavg' at server_lr > 1 steps past the clients' values" if name == "fedavg"
+                else f"the server optimizer '{name}' carries momentum into them")
+        return (f"; {shown} has values below 0: batch-norm statistics are aggregated and stepped like weights, "
+                f"and {step}; server_optimizer='fedavg' with server_lr=1 gives them the aggregate of the clients' "
+                "values")
+
+    def _roll_back(self, server_round: int, row: dict[str, Any], note: str = "") -> None:
         """Count the rollback and lower the server learning rate (the state was restored by the caller)."""
         s = self.strategy
         self.guard.rollbacks += 1
@@ -587,7 +602,7 @@ class RoundLoop:
         s.optimizer.lr = s.round_lr(server_round, self.num_rounds) * self.guard.lr_scale
         self.metrics.say(
             f"round {server_round} diverged (loss {row.get('loss', float('nan')):.4g}, "
-            f"best {self.guard.best_loss:.4g}): "
+            f"best {self.guard.best_loss:.4g}{note}): "
             f"rolled back, server lr now {s.optimizer.lr:.4g}"
         )
 

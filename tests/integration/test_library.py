@@ -397,6 +397,46 @@ def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence()
         _start_on_honest_nodes(strategy, 4)
 
 
+def test_batch_norm_variances_a_momentum_optimizer_carries_below_zero_are_named_in_the_divergence(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Clients whose running variance halves each round: the mean of theirs stays > 0, fedavgm's momentum
+    carries the model's below 0 in round 2, and every evaluation is NaN while the weights are finite."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    app = ClientApp()
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        state = msg.content["arrays"].to_torch_state_dict()
+        state["1.running_var"] = state["1.running_var"] * 0.5
+        return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": 10})}),
+                       reply_to=msg)
+
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    inputs, labels = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 3
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        net.load_state_dict(arrays.to_torch_state_dict())
+        net.eval()
+        with torch.no_grad():
+            logits = net(inputs)
+        return MetricRecord({"loss": float(nn.functional.cross_entropy(logits, labels)),
+                             "accuracy": float((logits.argmax(1) == labels).float().mean())})
+
+    grid = InProcessGrid(app, 3, seed=0)
+    strategy = RobustStrategy(aggregator="mean", num_byzantine=0, server_optimizer="fedavgm", progress=False)
+    with _server_identity(grid.run.run_id), caplog.at_level(logging.INFO, logger="fedrobust"):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(net.state_dict()), num_rounds=3, evaluate_fn=evaluate)
+    rollbacks = [r.getMessage() for r in caplog.records if "diverged" in r.getMessage()]
+    assert rollbacks[0].startswith("round 2 diverged (loss nan, best ") and rollbacks[0].split("; ", 1)[1].startswith(
+        "1.running_var has values below 0: batch-norm statistics are "
+        "aggregated and stepped like weights, and the server optimizer 'fedavgm' carries momentum into them; "
+        "server_optimizer='fedavg' with server_lr=1 gives them the aggregate of the clients' values): rolled "
+        "back, server lr now 0.5"), rollbacks
+    assert len(rollbacks) == 3 and all("running_var has values below 0" in m for m in rollbacks)
+
+
 def test_a_round_whose_replies_missed_the_deadline_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Nodes that never answer (a grid that loses their replies): the error names the deadline, not only
     '0 valid replies', and for the first round a start() trains (after a resume too), the ClientApps' start-up."""

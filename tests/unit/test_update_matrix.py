@@ -367,3 +367,14 @@ def test_rows_and_norms_are_the_same_written_by_one_thread_or_several() -> None:
     (rows_one, norms_one), (rows_three, norms_three) = results
     assert torch.equal(rows_one, rows_three) and torch.equal(norms_one, norms_three)
     assert rejection is not None and rejection.reason == "non_finite" and "layer3.weight" in rejection.detail
+
+
+def test_a_reply_with_many_keys_wrong_names_three_and_counts_the_rest() -> None:
+    from fedrobust.validation import WRONG_KEYS, check_structure
+
+    template = {f"layer{i}.weight": torch.zeros(2) for i in range(6)}
+    trainable_only = {k: v for k, v in template.items() if k in ("layer0.weight",)}
+    rejection = check_structure(trainable_only, template)
+    assert rejection is not None and rejection.reason == WRONG_KEYS
+    assert rejection.detail == ("missing ['layer1.weight', 'layer2.weight', 'layer3.weight'] and 2 more, "
+                                "unexpected []")
