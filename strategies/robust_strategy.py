@@ -868,6 +868,7 @@ class RobustStrategy(Strategy):
             self._step_out = torch.empty(matrix.dim, dtype=torch.float32)
         layout = [(k, tuple(global_state[k].shape)) for k in matrix.keys]
         stepped = self.optimizer.step_flat(matrix.global_flat(), aggregate, layout, out=self._step_out)
+        _statistics_take_the_aggregate(stepped, matrix.global_flat(), aggregate, layout)
         # Views on the step's vector (converted copies for non-float32 tensors); the ArrayRecord copies once.
         new_state = {**global_state, **matrix.unflatten(stepped)}
         outcome.arrays = ArrayRecord(new_state)
@@ -1299,6 +1300,28 @@ class RobustStrategy(Strategy):
         self.signatures.load_state_dict(meta.get("signatures", {}))
         self.checkpointed_num_partitions = [int(n) for n in meta.get("num_partitions", [])]
         self._checkpoint_partitions = {int(n): int(p) for n, p in meta.get("partitions", {}).items()}
+
+
+# Batch-norm running statistics estimate the data's moments; they are not weights. They take the aggregate
+# of the clients' values: a server lr or momentum would step past it, and a running variance carried below
+# 0 makes every evaluation NaN. The names are torch.nn's batch norms'.
+RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def _statistics_take_the_aggregate(
+    stepped: torch.Tensor,
+    global_flat: torch.Tensor,
+    aggregate: torch.Tensor,
+    layout: Sequence[tuple[str, tuple[int, ...]]],
+) -> None:
+    """Set the running statistics' elements of ``stepped`` to the global values plus the aggregated update:
+    the same sum as ``fedavg`` at server lr 1 (the same bits there), whatever the optimizer."""
+    start = 0
+    for key, shape in layout:
+        stop = start + math.prod(shape)
+        if key.rsplit(".", 1)[-1] in RUNNING_STATISTICS:
+            torch.add(global_flat[start:stop].to(stepped), aggregate[start:stop].to(stepped), out=stepped[start:stop])
+        start = stop
 
 
 def _strip(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

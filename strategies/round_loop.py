@@ -580,19 +580,16 @@ class RoundLoop:
             )
         return None
 
-    def _why_variances_went_negative(self, state: dict[str, torch.Tensor]) -> str:
-        """A batch norm's running variance below 0 makes every evaluation NaN while the weights are finite;
-        the aggregate of clients' variances never is, the server optimizer's momentum carries it there."""
+    @staticmethod
+    def _why_variances_went_negative(state: dict[str, torch.Tensor]) -> str:
+        """A batch norm's running variance below 0 makes every evaluation NaN while the weights are finite.
+        The server gives it the aggregate of the clients' values, so replies below 0 got through the rule."""
         negative = [k for k, v in state.items() if k.endswith("running_var") and bool((v < 0).any())]
         if not negative:
             return ""
         shown = ", ".join(negative[:2]) + (f" and {len(negative) - 2} more" if len(negative) > 2 else "")
-        name = self.strategy.optimizer.name
-        step = ("the server optimizer 'fedavg' at server_lr > 1 steps past the clients' values" if name == "fedavg"
-                else f"the server optimizer '{name}' carries momentum into them")
-        return (f"; {shown} has values below 0: batch-norm statistics are aggregated and stepped like weights, "
-                f"and {step}; server_optimizer='fedavg' with server_lr=1 gives them the aggregate of the clients' "
-                "values")
+        return (f"; {shown} has values below 0: the aggregate of the clients' batch-norm running variances, so "
+                "replies with variances below 0 got through the rule")
 
     def _roll_back(self, server_round: int, row: dict[str, Any], note: str = "") -> None:
         """Count the rollback and lower the server learning rate (the state was restored by the caller)."""

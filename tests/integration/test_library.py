@@ -397,11 +397,9 @@ def test_a_rule_that_returns_nan_or_raises_is_named_not_taken_for_a_divergence()
         _start_on_honest_nodes(strategy, 4)
 
 
-def test_batch_norm_variances_a_momentum_optimizer_carries_below_zero_are_named_in_the_divergence(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Clients whose running variance halves each round: the mean of theirs stays > 0, fedavgm's momentum
-    carries the model's below 0 in round 2, and every evaluation is NaN while the weights are finite."""
+def _batch_norm_run(client_variance: Callable[[torch.Tensor, int], torch.Tensor], **strategy_args: Any) -> list[float]:
+    """Three rounds of a batch-norm model whose 3 clients reply ``client_variance(global variance,
+    partition)`` as their running variance and the weights unchanged; the model's variance after each round."""
     from experiments.inprocess import InProcessGrid, _server_identity
 
     app = ClientApp()
@@ -409,32 +407,48 @@ def test_batch_norm_variances_a_momentum_optimizer_carries_below_zero_are_named_
     @app.train()
     def _train(msg: Message, context: Context) -> Message:
         state = msg.content["arrays"].to_torch_state_dict()
-        state["1.running_var"] = state["1.running_var"] * 0.5
+        state["1.running_var"] = client_variance(state["1.running_var"], int(context.node_config["partition-id"]))
         return Message(RecordDict({"arrays": ArrayRecord(state), "metrics": MetricRecord({"num-examples": 10})}),
                        reply_to=msg)
 
+    torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
     inputs, labels = torch.randn(16, 4, generator=torch.Generator().manual_seed(0)), torch.arange(16) % 3
+    variances: list[float] = []
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         net.load_state_dict(arrays.to_torch_state_dict())
         net.eval()
+        variances.append(float(net[1].running_var[0]))
         with torch.no_grad():
             logits = net(inputs)
         return MetricRecord({"loss": float(nn.functional.cross_entropy(logits, labels)),
                              "accuracy": float((logits.argmax(1) == labels).float().mean())})
 
     grid = InProcessGrid(app, 3, seed=0)
-    strategy = RobustStrategy(aggregator="mean", num_byzantine=0, server_optimizer="fedavgm", progress=False)
-    with _server_identity(grid.run.run_id), caplog.at_level(logging.INFO, logger="fedrobust"):
+    strategy = RobustStrategy(num_byzantine=0, progress=False, **strategy_args)
+    with _server_identity(grid.run.run_id):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(net.state_dict()), num_rounds=3, evaluate_fn=evaluate)
+    return variances[1:]  # after rounds 1-3 (and any rolled-back attempt)
+
+
+@pytest.mark.parametrize("optimizer", [{"server_optimizer": "fedavgm"}, {"server_lr": 1.8},
+                                       {"server_optimizer": "fedadam", "server_lr": 0.5}])
+def test_batch_norm_statistics_take_the_clients_aggregate_whatever_the_server_optimizer(optimizer: dict) -> None:
+    """Clients whose running variance halves each round: the model's is the aggregate of theirs, 1/2, 1/4,
+    1/8. Stepped as a weight, fedavgm's momentum would carry it to -0.2 in round 2 (NaN evaluations)."""
+    assert _batch_norm_run(lambda v, _: v * 0.5, aggregator="mean", **optimizer) == [0.5, 0.25, 0.125]
+
+
+def test_a_running_variance_below_zero_is_named_in_the_rollback_line(caplog: pytest.LogCaptureFixture) -> None:
+    """One client sends a negative variance and the plain mean lets it through: every evaluation is NaN."""
+    with caplog.at_level(logging.INFO, logger="fedrobust"), pytest.raises(QuorumError, match="running_var has val"):
+        _batch_norm_run(lambda v, p: torch.full_like(v, -9.0) if p == 0 else v, aggregator="mean")
     rollbacks = [r.getMessage() for r in caplog.records if "diverged" in r.getMessage()]
-    assert rollbacks[0].startswith("round 2 diverged (loss nan, best ") and rollbacks[0].split("; ", 1)[1].startswith(
-        "1.running_var has values below 0: batch-norm statistics are "
-        "aggregated and stepped like weights, and the server optimizer 'fedavgm' carries momentum into them; "
-        "server_optimizer='fedavg' with server_lr=1 gives them the aggregate of the clients' values): rolled "
-        "back, server lr now 0.5"), rollbacks
-    assert len(rollbacks) == 3 and all("running_var has values below 0" in m for m in rollbacks)
+    assert rollbacks and rollbacks[0].startswith("round 1 diverged (loss nan, best ")
+    assert rollbacks[0].split("; ", 1)[1] == (
+        "1.running_var has values below 0: the aggregate of the clients' batch-norm running variances, so replies "
+        "with variances below 0 got through the rule): rolled back, server lr now 0.5"), rollbacks
 
 
 def test_a_round_whose_replies_missed_the_deadline_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
