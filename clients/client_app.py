@@ -135,6 +135,15 @@ def _warn_attack_ignored(cfg: RunConfig, context: Context) -> None:
         )
 
 
+def _say_attack_played(context: Context, pid: int) -> None:
+    """Say once per process, on a device whose node config names an attack (a deployment drill), that this
+    node plays it: the honest app says when it ignores one, and the drill's device should say it does not."""
+    asked = context.node_config.get("attack")
+    if asked and f"played {asked}" not in _warned:
+        _warned.add(f"played {asked}")
+        log.warning("attack %r played: this node (partition %d) sends attacked replies, a robustness drill", asked, pid)
+
+
 def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = None) -> ClientApp:
     """A ClientApp for ``cfg`` (or, when None, the run config Flower passes in).
 
@@ -184,6 +193,8 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
             from fedrobust.clients.byzantine import adversary_for
 
             adversary = adversary_for(run_cfg, context, pid)
+            if adversary is not None:
+                _say_attack_played(context, pid)
         else:
             _warn_attack_ignored(run_cfg, context)
         update, num_examples, metrics = local_update(run_cfg, context, global_state, server_round, adversary)

@@ -321,13 +321,17 @@ class RoundLoop:
             if time.monotonic() >= deadline and connected >= need:
                 from flwr.superlink.grid import HttpGrid
 
+                silent = sorted(set(self.grid.get_node_ids()) - s.answered)
+                named = ", ".join(map(str, silent[:5])) + (f" and {len(silent) - 5} more" if len(silent) > 5 else "")
                 busy = ("a SuperNode takes one message at a time, and after a server crash it first works through "
-                        "the killed run's messages (minutes under load)") if isinstance(self.grid, HttpGrid) else (
+                        "the killed run's messages (minutes under load); one still silent on a second try can be "
+                        "stuck behind the killed run's last message: restart its SuperNode") if isinstance(
+                    self.grid, HttpGrid) else (
                         "a simulation's ClientApps start in Ray's workers, which take minutes on a loaded machine")
                 raise NodesBusyError(
                     f"{connected} nodes connected, but only {have} of the {need} needed ({why}) "
-                    f"answered the partition query within {s.wait_for_nodes:g} s; nothing was trained. Either "
-                    f"the nodes are busy: {busy}: run again, or wait "
+                    f"answered the partition query within {s.wait_for_nodes:g} s (silent: node {named}); nothing "
+                    f"was trained. Either the nodes are busy: {busy}: run again, or wait "
                     "longer (wait_for_nodes; fault.wait_for_nodes in fedrobust's run config). Or their ClientApp "
                     "has no query handler: discover_partitions=True asks each node for its partition-id with a "
                     "query message; give it one, e.g. app.query()(fedrobust.partition_query) (fedrobust's own "

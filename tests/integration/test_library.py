@@ -319,8 +319,9 @@ def test_nodes_that_never_answer_the_partition_query_are_said_to_be_busy_or_with
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     assert str(stopped.value).startswith(  # not a deployment's grid: the simulation's reason
         "3 nodes connected, but only 0 of the 2 needed (min_available_nodes) answered the partition query within "
-        "0.5 s; nothing was trained. Either the nodes are busy: a simulation's ClientApps start in Ray's workers, "
-        "which take minutes on a loaded machine: run again"), stopped.value
+        f"0.5 s (silent: node {', '.join(map(str, sorted(grid.get_node_ids())))}); nothing was trained. Either the "
+        "nodes are busy: a simulation's ClientApps start in Ray's workers, which take minutes on a loaded machine: "
+        "run again"), stopped.value
 
 
 def _discovering_run(

@@ -412,6 +412,8 @@ def test_deployment_signed_drill_with_forger_byzantine_and_killed_node(tmp_path:
     # ... and name the nodes: the forger and node 3 with their reasons, the killed device as dropped.
     assert f"rejected: node {node_ids[FORGER]}: {signing.REASON_UNKNOWN_KEY}" in output, report
     assert f"rejected: node {node_ids[BYZANTINE]}: {NON_FINITE}" in output, report
+    # The drill's device says in its own log that it plays the attack (the honest app says it ignores one).
+    assert f"attack '{ATTACK}' played: this node" in nodes[BYZANTINE].log_path.read_text(errors="replace")
     assert f"dropped: node {node_ids[KILLED]}" in output, report
     assert (out / "final_model.safetensors").stat().st_size > 0
     assert (out / "rounds.png").read_bytes().startswith(b"\x89PNG")  # the run's picture, drawn by the ServerApp
