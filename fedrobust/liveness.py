@@ -28,6 +28,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fedrobust.text import first_and_more
+
 logger = logging.getLogger(__name__)
 
 Status = Literal["alive", "suspected", "dead", "quarantined"]
@@ -157,7 +159,7 @@ class LivenessTracker:
         for node_id in gone:
             self._kill(self._nodes[node_id], self._round)
         if gone:
-            shown = ", ".join(map(str, gone[:3])) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
+            shown = first_and_more(gone)
             nodes = f"node {shown}" if len(gone) == 1 else f"{len(gone)} nodes ({shown})"
             if self._resumed:  # ids of the checkpoint's run: a simulation's nodes get new ones in every run
                 logger.info("%s of the checkpoint's run not connected now (a restarted simulation gives its nodes "
@@ -268,11 +270,9 @@ class LivenessTracker:
         """The node ``old_id`` of a checkpoint's run is ``new_id`` now (a restarted simulation gives the same
         client a new id): its record, quarantine and rejections included, is the new id's, and the old id is
         forgotten. What the new id's record held (its online report this run) gives way to it."""
-        node = self._nodes.pop(old_id, None)
-        if node is None or old_id == new_id:
-            if node is not None:
-                self._nodes[old_id] = node
+        if old_id == new_id or old_id not in self._nodes:
             return
+        node = self._nodes.pop(old_id)
         node.offline = False  # the new id is listed: it is connected
         self._nodes[new_id] = node
         self._heard.discard(old_id)

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedrobust.text import first_and_more
+
 WRONG_KEYS = "wrong_keys"
 WRONG_SHAPE = "wrong_shape"
 WRONG_DTYPE = "wrong_dtype"
@@ -69,7 +71,8 @@ def check_structure(update: Mapping[str, Any], template: Mapping[str, torch.Tens
     """
     if update.keys() != template.keys():
         missing, extra = sorted(set(template) - set(update)), sorted(set(update) - set(template))
-        return Rejection(WRONG_KEYS, f"missing {_some(missing)}, unexpected {_some(extra)}")
+        return Rejection(WRONG_KEYS, f"missing {first_and_more(missing) or 'none'}, "
+                                     f"unexpected {first_and_more(extra) or 'none'}")
     for key, ref in template.items():
         got = update[key]
         if tuple(got.shape) != tuple(ref.shape):
@@ -77,11 +80,6 @@ def check_structure(update: Mapping[str, Any], template: Mapping[str, torch.Tens
         if torch_dtype(got.dtype) != ref.dtype:
             return Rejection(WRONG_DTYPE, f"{key}: {got.dtype} != {ref.dtype}")
     return None
-
-
-def _some(keys: list[str], shown: int = 3) -> str:
-    """The first keys and how many more: a reply with a whole model's keys wrong says so in one line."""
-    return f"{keys[:shown]}" + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 def check_num_examples(num_examples: object, max_num_examples: int) -> Rejection | None:

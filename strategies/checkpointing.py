@@ -39,6 +39,7 @@ from fedrobust.components import CAPTURED_KEY
 from fedrobust.config import CHECKPOINT_INTERVAL_AUTO
 from fedrobust.dir_lock import DirectoryLock
 from fedrobust.strategies.errors import CheckpointStorageError
+from fedrobust.text import first_and_more
 
 log = logging.getLogger(__name__)
 
@@ -459,8 +460,7 @@ def model_differences(saved: Mapping[str, torch.Tensor], model: Mapping[str, Any
     def listed(what: str, keys: list[str]) -> list[str]:
         if not keys:
             return []
-        more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
-        return [f"{what} {', '.join(keys[:shown])}{more}"]
+        return [f"{what} {first_and_more(keys, shown)}"]
 
     missing = [k for k in model if k not in saved]
     extra = sorted(k for k in saved if k not in model)  # the checkpoint's order is not the model's

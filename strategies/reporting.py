@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedrobust.text import first_and_more
+
 log = logging.getLogger(__name__)
 
 
@@ -148,8 +150,7 @@ def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
     if not often:
         return ""
     names = [f"{_node({'node': node, 'partition': partition})} {c}/{len(rows)}" for c, (node, partition) in often]
-    more = f" and {len(names) - listed} more" if len(names) > listed else ""
-    return "left out in most rounds: " + ", ".join(names[:listed]) + more
+    return "left out in most rounds: " + first_and_more(names, listed)
 
 
 def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 1, notes: Sequence[str] = ()) -> str:

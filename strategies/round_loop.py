@@ -29,6 +29,7 @@ from fedrobust.strategies.discovery import Discovery
 from fedrobust.strategies.errors import ClientFailureError, NodesBusyError, NoNodesError, Preempted, QuorumError
 from fedrobust.strategies.replies import error_reason
 from fedrobust.strategies.reporting import MetricsLog
+from fedrobust.text import first_and_more
 
 if TYPE_CHECKING:
     from fedrobust.strategies.robust_strategy import RobustStrategy, RoundOutcome
@@ -322,7 +323,7 @@ class RoundLoop:
                 from flwr.superlink.grid import HttpGrid
 
                 silent = sorted(set(self.grid.get_node_ids()) - s.answered)
-                named = ", ".join(map(str, silent[:5])) + (f" and {len(silent) - 5} more" if len(silent) > 5 else "")
+                named = first_and_more(silent, 5)
                 busy = ("a SuperNode takes one message at a time, and after a server crash it first works through "
                         "the killed run's messages (minutes under load); one still silent on a second try can be "
                         "stuck behind the killed run's last message: restart its SuperNode") if isinstance(
@@ -591,9 +592,8 @@ class RoundLoop:
         negative = [k for k, v in state.items() if k.endswith("running_var") and bool((v < 0).any())]
         if not negative:
             return ""
-        shown = ", ".join(negative[:2]) + (f" and {len(negative) - 2} more" if len(negative) > 2 else "")
-        return (f"; {shown} has values below 0: the aggregate of the clients' batch-norm running variances, so "
-                "replies with variances below 0 got through the rule")
+        return (f"; {first_and_more(negative, 2)} has values below 0: the aggregate of the clients' batch-norm "
+                "running variances, so replies with variances below 0 got through the rule")
 
     def _roll_back(self, server_round: int, row: dict[str, Any], note: str = "") -> None:
         """Count the rollback and lower the server learning rate (the state was restored by the caller)."""
