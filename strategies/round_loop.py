@@ -339,9 +339,12 @@ class RoundLoop:
                     "ClientApp has one), or pass discover_partitions=False"
                 )
             if time.monotonic() >= deadline:
+                # Fewer connected than needed (else the branch above): the count is the connected nodes, with
+                # how many of them answered discovery where some did not.
+                answered = f" ({have} of them answered the partition query)" if have < connected else ""
                 raise NoNodesError(
-                    f"{have} of the {need} nodes needed ({why}) connected within "
-                    f"{s.wait_for_nodes:g} s; nothing was trained. Start more nodes (a local simulation: its "
+                    f"{connected} of the {need} nodes needed ({why}) connected within "
+                    f"{s.wait_for_nodes:g} s{answered}; nothing was trained. Start more nodes (a local simulation: its "
                     f"federation's num-supernodes; a deployment: flwr supernode ls shows which are online) or "
                     f"need fewer ({why}; clients_per_round in fedrobust's run config)"
                 )

@@ -572,6 +572,25 @@ def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -
         _start_on_honest_nodes(strategy, 2)
 
 
+def test_too_few_nodes_whose_partition_query_goes_unanswered_are_counted_as_connected() -> None:
+    """Two nodes connected, neither answers discovery's query: the error counts the two connected nodes
+    and says how many answered, instead of calling the silent ones unconnected."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    class SilentGrid(InProcessGrid):
+        def pull_messages(self, message_ids):  # type: ignore[no-untyped-def]
+            return []  # every reply lost: the nodes are listed but never answer
+
+    grid = SilentGrid(_echo_app(lambda _: {"num-examples": 10}), 2, seed=0)
+    strategy = RobustStrategy(num_byzantine=1, min_available_nodes=5, wait_for_nodes=0.5, discover_partitions=True,
+                              progress=False)
+    with _server_identity(grid.run.run_id), pytest.raises(
+        NoNodesError, match=r"^2 of the 5 nodes needed \(min_available_nodes\) connected within 0.5 s \(0 of them "
+                            r"answered the partition query\); nothing was trained"
+    ):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+
+
 def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path: Path) -> None:
     """A second start() on the same checkpoint directory with another model: refused before any round
     (the clients could not load the checkpoint's weights), naming the keys and shapes."""
