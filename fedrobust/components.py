@@ -53,6 +53,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from fedrobust import data, models
 from fedrobust.aggregators.base import Rule
+from fedrobust.text import first_and_more
 
 if TYPE_CHECKING:
     from fedrobust.aggregators.pipeline import Aggregator
@@ -163,8 +164,9 @@ def _required_positionals(target: Callable[..., Any]) -> int | None:
     return sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
 
 
-def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], protocol: str) -> Any:
-    """``target(**kwargs)``, or ValueError naming the signature when the arguments do not fit it."""
+def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], protocol: str, *, name_the_call: bool = False) -> Any:
+    """``target(**kwargs)``, or ValueError naming the signature when the arguments do not fit it. With
+    ``name_the_call``, an exception the call raises becomes a ValueError that shows the call and the type."""
     try:
         inspect.signature(target).bind(**kwargs)
     except TypeError as err:
@@ -173,7 +175,15 @@ def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], protocol: str) 
         ) from None
     except ValueError:
         pass  # no signature to check (a builtin): call it and see
-    return target(**kwargs)
+    if not name_the_call:
+        return target(**kwargs)
+    try:
+        return target(**kwargs)
+    except Exception as err:
+        # Which call failed, with the arguments fedrobust added (num_classes, input_shape) shown too.
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        name = getattr(target, "__qualname__", None) or type(target).__name__
+        raise ValueError(f"{name}({shown}) raised {type(err).__name__}: {err}") from err
 
 
 def _resolve(path: str, protocol: str) -> Callable[..., Any]:
@@ -290,7 +300,8 @@ def _as_tensors(split: Any, what: str) -> TensorDataset:
         pairs = [_pair(item, what) for item in items]
         try:
             x = torch.stack([torch.as_tensor(item_x) for item_x, _ in pairs])
-            y = torch.as_tensor([int(item_y) for _, item_y in pairs])
+            # Each label as it is (not int()): a float label such as 2.5 must reach the integer check below.
+            y = torch.stack([torch.as_tensor(item_y).reshape(()) for _, item_y in pairs])
         except Exception as err:
             raise ValueError(
                 f"the {what} set's items are not (x, y) of tensors and integer labels: {type(err).__name__}: {err}"
@@ -340,6 +351,14 @@ def _load_user(path: str, params_json: str, seed: int) -> UserData:
             f"shape {tuple(x_test.shape[1:])} and dtype {x_test.dtype} differ"
         )
     num_classes = int(max(train.tensors[1].max(), test.tensors[1].max())) + 1
+    unused = sorted(set(range(num_classes)) - set(train.tensors[1].unique().tolist()))
+    if unused:
+        # Labels 1..10 give an 11th output that never trains: the usual cause is labels that start at 1.
+        logger.warning(
+            "the training set of %s has no example of label %s of 0 .. %d: the model gets %d outputs, one per "
+            "label up to the largest; labels must be 0 .. num_classes - 1 (labels that start at 1: subtract 1)",
+            path, first_and_more(unused), num_classes - 1, num_classes,
+        )
     spec = UserSpec(
         input_shape=tuple(int(s) for s in x_train.shape[1:]), num_classes=num_classes, input_dtype=x_train.dtype
     )
@@ -456,7 +475,7 @@ def build_model(model: ModelConfig, spec: data.DatasetSpec) -> nn.Module:
     for name, value in (("input_shape", tuple(spec.input_shape)), ("num_classes", spec.num_classes)):
         if name not in kwargs and _accepts(factory, name):
             kwargs[name] = value
-    net = _call(factory, kwargs, MODEL_PROTOCOL)
+    net = _call(factory, kwargs, MODEL_PROTOCOL, name_the_call=True)
     if not isinstance(net, nn.Module):
         raise ValueError(f"{describe(factory)} returned a {type(net).__name__}; expected a torch.nn.Module")
     return net

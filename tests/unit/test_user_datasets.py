@@ -131,6 +131,20 @@ def test_an_embedding_model_on_token_ids_validates_and_trains() -> None:
     assert metrics["num_examples"] == len(part)
 
 
+class PickyNet(TokenNet):
+    def __init__(self, num_classes: int, width: int = 8) -> None:
+        if not isinstance(width, int):
+            raise TypeError("width must be an int")
+        super().__init__(num_classes)
+
+
+def test_a_model_whose_constructor_raises_is_named_with_the_call_and_the_error_type() -> None:
+    cfg = _tokens_cfg(**{"model._target_": f"{HERE}.PickyNet", "model.params": '{"width": "abc"}'})
+    with pytest.raises(ValueError, match=r"PickyNet\(width='abc', num_classes=3\) raised TypeError: width must be "
+                                         r"an int \(dataset: "):
+        validate(cfg)
+
+
 def test_the_model_check_names_the_dtype_it_fed() -> None:
     float_spec = data.DatasetSpec(input_shape=(LENGTH,), num_classes=3)
     with pytest.raises(ValueError, match=r"shape \[2, 6\] and dtype torch\.float32"):
@@ -200,8 +214,35 @@ def test_a_dict_for_a_split_is_refused_as_such() -> None:
 
 
 def test_a_bad_item_is_reported_with_its_error_type() -> None:
-    with pytest.raises(ValueError, match="the training set's items are not .*ValueError"):
+    with pytest.raises(ValueError, match="the training set's items are not .*TypeError"):
         components._as_tensors(Items(2, lambda i: (torch.zeros(2), "cat")), "training")
+
+
+@pytest.mark.parametrize("label", [lambda i: i + 0.5, lambda i: np.float32(i + 0.5), lambda i: torch.tensor(i + 0.5)])
+def test_labels_that_are_not_whole_numbers_are_refused_not_truncated(label) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="the training set's labels are not integers"):
+        components._as_tensors(Items(4, lambda i: (torch.zeros(2), label(i))), "training")
+
+
+@pytest.mark.parametrize("label", [lambda i: i, lambda i: float(i), lambda i: np.int64(i), lambda i: torch.tensor([i])])
+def test_whole_labels_of_any_type_are_read_as_integers(label) -> None:  # type: ignore[no-untyped-def]
+    y = components._as_tensors(Items(4, lambda i: (torch.zeros(2), label(i))), "training").tensors[1]
+    assert y.dtype == torch.int64 and y.tolist() == [0, 1, 2, 3]
+
+
+def load_labels_from_one(seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Labels 1 .. 3, as a data set that counts classes from 1 gives them."""
+    return Items(6, lambda i: (torch.full((2,), float(i)), i % 3 + 1)), Items(3, lambda i: (torch.zeros(2), i + 1))
+
+
+def test_labels_that_start_at_1_are_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    components._load_user.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="fedrobust"):
+        loaded = components._load_user(f"{HERE}.load_labels_from_one", "{}", 0)
+    assert loaded.spec.num_classes == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no example of label 0 of 0 .. 3: the model gets 4 outputs" in w and "subtract 1" in w
+               for w in warnings), warnings
 
 
 # ------------------------------------------------------------------------ batch norm (5)
