@@ -31,6 +31,7 @@ from fedrobust.validation import (
     block_sum_squares,
     check_norm,
     check_structure,
+    is_running_statistic,
     non_finite,
 )
 
@@ -106,6 +107,8 @@ class UpdateMatrix:
             segments.append(_Segment(key, start, start + ref.numel(), wide))
             start += ref.numel()
         self._segments: tuple[_Segment, ...] = tuple(segments)
+        # Which segments a norm rejection reports apart (batch norms' running statistics).
+        self._is_statistic = tuple(is_running_statistic(seg.key) for seg in self._segments)
         self.dim = start
         self._global = torch.empty(self.dim, dtype=torch.float32)
         self._global_np = self._global.numpy()
@@ -197,13 +200,15 @@ class UpdateMatrix:
             return rejection
         out = self._matrix_np[index]
         parts = self._write_all(out, arrays, full_weights)
-        squared = 0.0
-        for seg, part in zip(self._segments, parts, strict=True):
+        squared = statistics = 0.0
+        for seg, part, is_statistic in zip(self._segments, parts, self._is_statistic, strict=True):
             if math.isnan(part):
                 return non_finite(seg.key)
             squared += part  # in segment order: the same norm whatever the number of threads
+            if is_statistic:
+                statistics += part
         norm = math.sqrt(squared)
-        rejection = check_norm(norm, self.max_norm)
+        rejection = check_norm(norm, self.max_norm, math.sqrt(statistics))
         if rejection is not None:
             return rejection
         self._norms[index] = norm

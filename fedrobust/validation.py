@@ -95,10 +95,22 @@ def check_num_examples(num_examples: object, max_num_examples: int) -> Rejection
     return None
 
 
-def check_norm(norm: float, max_norm: float) -> Rejection | None:
-    """Return a ``norm_too_large`` rejection when ``max_norm > 0`` and ``norm`` exceeds it."""
+# Batch norms' running statistics: buffers a client sends back with its weights, whose change can be far
+# larger than the weights' (a running variance follows the data's scale, not the learning rate).
+RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def is_running_statistic(key: str) -> bool:
+    """Whether the state-dict ``key`` is a batch norm's running mean or variance."""
+    return key.rsplit(".", 1)[-1] in RUNNING_STATISTICS
+
+
+def check_norm(norm: float, max_norm: float, statistics_norm: float = 0.0) -> Rejection | None:
+    """Return a ``norm_too_large`` rejection when ``max_norm > 0`` and ``norm`` exceeds it; a rejection
+    says how much of the norm the running statistics make up (``statistics_norm``, L2), where they add any."""
     if max_norm > 0 and not norm <= max_norm:
-        return Rejection(NORM_TOO_LARGE, f"L2 norm {norm:.4g} > bound {max_norm:.4g}")
+        share = f" (the batch norms' running statistics: {statistics_norm:.4g} of it)" if statistics_norm else ""
+        return Rejection(NORM_TOO_LARGE, f"L2 norm {norm:.4g} > bound {max_norm:.4g}{share}")
     return None
 
 

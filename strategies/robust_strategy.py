@@ -47,7 +47,7 @@ from fedrobust.strategies.stopping import on_flower_exit
 from fedrobust.tensors import flatten
 from fedrobust.training import pick_device
 from fedrobust.update_matrix import UpdateMatrix
-from fedrobust.validation import BAD_NUM_EXAMPLES, NORM_TOO_LARGE, Rejection, check_num_examples
+from fedrobust.validation import BAD_NUM_EXAMPLES, NORM_TOO_LARGE, Rejection, check_num_examples, is_running_statistic
 
 log = logging.getLogger(__name__)
 
@@ -1304,10 +1304,7 @@ class RobustStrategy(Strategy):
 
 # Batch-norm running statistics estimate the data's moments; they are not weights. They take the aggregate
 # of the clients' values: a server lr or momentum would step past it, and a running variance carried below
-# 0 makes every evaluation NaN. The names are torch.nn's batch norms'.
-RUNNING_STATISTICS = ("running_mean", "running_var")
-
-
+# 0 makes every evaluation NaN. The names are torch.nn's batch norms' (fedrobust.validation.RUNNING_STATISTICS).
 def _statistics_take_the_aggregate(
     stepped: torch.Tensor,
     global_flat: torch.Tensor,
@@ -1319,7 +1316,7 @@ def _statistics_take_the_aggregate(
     start = 0
     for key, shape in layout:
         stop = start + math.prod(shape)
-        if key.rsplit(".", 1)[-1] in RUNNING_STATISTICS:
+        if is_running_statistic(key):
             torch.add(global_flat[start:stop].to(stepped), aggregate[start:stop].to(stepped), out=stepped[start:stop])
         start = stop
 

@@ -154,6 +154,20 @@ def test_norm_bound_and_disabled() -> None:
     assert UpdateMatrix(template, 1, max_norm=0.0).add(big, full_weights=False) is None
 
 
+def test_a_norm_rejection_says_how_much_the_running_statistics_make_up() -> None:
+    """A batch norm's running variance follows the data's scale: the rejection says its share, so that a user
+    whose honest nodes are rejected sees that the buffers, not the weights, crossed the bound."""
+    template = {"bn.weight": torch.zeros(2), "bn.running_mean": torch.zeros(2), "bn.running_var": torch.zeros(2)}
+    sent = {"bn.weight": np.full(2, 3.0, np.float32), "bn.running_mean": np.zeros(2, np.float32),
+            "bn.running_var": np.full(2, 30.0, np.float32)}
+    rejection = UpdateMatrix(template, 1, max_norm=10.0).add(sent, full_weights=False)
+    assert rejection is not None and rejection.detail == (
+        "L2 norm 42.64 > bound 10 (the batch norms' running statistics: 42.43 of it)")
+    weights_only = {**sent, "bn.running_var": np.zeros(2, np.float32), "bn.weight": np.full(2, 30.0, np.float32)}
+    rejection = UpdateMatrix(template, 1, max_norm=10.0).add(weights_only, full_weights=False)
+    assert rejection is not None and rejection.detail == "L2 norm 42.43 > bound 10"
+
+
 def test_full_weights_and_delta_differ_by_the_global_model() -> None:
     template, sent = _sent()
     matrix = UpdateMatrix(template, 2)
