@@ -156,13 +156,56 @@ def _syntax_problem(arg: str) -> str:
     return ""
 
 
-def override_problems(args: Sequence[str]) -> list[str]:
+def config_dirs(args: Sequence[str]) -> list[Path]:
+    """The folders Hydra reads config groups from for ``args``: the package's ``conf/``, then a user's own
+    (``--config-dir``/``-cd`` and ``hydra.searchpath``'s folders); empty where a ``pkg://`` entry names one
+    that cannot be listed here (Hydra then answers for unknown choices itself)."""
+    dirs = [CONF_DIR]
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            dirs.append(Path(args[i + 1]).expanduser().absolute())
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.split("=", 1)[1]).expanduser().absolute())
+    overrides = [a for a in args if a.startswith("hydra.searchpath=")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return dirs  # Hydra says what is wrong with it
+    for override in parsed:
+        entries = override.value()
+        for entry in entries if isinstance(entries, list) else [entries]:
+            scheme, _, where = str(entry).rpartition("://")
+            if scheme not in ("", "file"):
+                return []
+            dirs.append(Path(where).expanduser().absolute())
+    return dirs
+
+
+def _group_choices(key: str, dirs: Sequence[Path]) -> list[str] | None:
+    """The names of config group ``key`` in ``dirs``: None when ``key`` is no group of the package's, or
+    the folders are not all known (``dirs`` empty)."""
+    if not (CONF_DIR / key).is_dir() or not dirs:
+        return None
+    return sorted({p.stem for folder in dirs for p in (folder / key).glob("*.yaml")})
+
+
+def _search_path_override(dirs: Sequence[Path]) -> list[str]:
+    """The user's config folders (``--config-dir``'s and ``hydra.searchpath``'s) as one ``hydra.searchpath``
+    override, for a compose() of the package's config that should see them too."""
+    extra = list(dirs)[1:]
+    return [f"hydra.searchpath=[{','.join(f'file://{folder}' for folder in extra)}]"] if extra else []
+
+
+def override_problems(args: Sequence[str], dirs: Sequence[Path] | None = None) -> list[str]:
     """Problems of command-line overrides of RunConfig settings, found before Hydra composes the config.
 
     Hydra's own messages for a value of the wrong type or an unknown key span several lines and
     exit with 1; checking the overrides first gives them the same one-line form as every other
-    config problem. Group choices (``aggregator=krum``), sweeps and ``hydra.*`` are left to Hydra.
+    config problem. Group choices are checked against the config folders ``dirs`` (default: those
+    ``args`` name, see :func:`config_dirs`); sweeps and ``hydra.*`` are left to Hydra.
     """
+    if dirs is None:
+        dirs = config_dirs(args)
     overrides = [arg for arg in args if "=" in arg and not arg.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -198,17 +241,16 @@ def override_problems(args: Sequence[str]) -> list[str]:
             if not override.is_add():
                 problems.append(f"{key}={format_value(value)}: unknown key; valid keys in {section}: {valid}")
             continue
-        if dataclasses.is_dataclass(hint) and not isinstance(value, str) and (CONF_DIR / key).is_dir():
+        names = _group_choices(key, dirs) if dataclasses.is_dataclass(hint) else None
+        if names is not None and not isinstance(value, str):
             # Hydra's grammar reads a bare nan, inf, 1 or true as a number or a bool, and then fails
             # with a traceback on a group choice, which must be a name.
-            names = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
             kind = "boolean" if isinstance(value, bool) else "number"
             problems.append(f"{key}={format_value(value)}: Hydra reads this value as a {kind}, not a name; "
                             f"valid choices in {key}: {', '.join(names)}")
             continue
         if dataclasses.is_dataclass(hint) and isinstance(value, str) and (CONF_DIR / key).is_dir():
-            names = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
-            if value not in names and "${" not in value:  # Hydra's own answer spans some 30 lines
+            if names is not None and value not in names and "${" not in value:  # Hydra's answer: some 30 lines
                 problems.append(f"{key}={format_value(value)}: unknown choice; valid choices in {key}: "
                                 f"{', '.join(names)}")
             continue
@@ -505,14 +547,19 @@ def sweep_problems(args: Sequence[str]) -> list[str]:
     # read on resume too, so one job's mirror must not be another's dir either)
     checkpoint_places: dict[str, list[tuple[int, str]]] = {}
     hydra_config = HydraConfig.instance().cfg  # set for each job's resolution below, and put back after
+    dirs = config_dirs(args)
+    # --config-dir is a flag, not in the jobs' overrides: compose() gets every user folder as one search path.
+    search_path = _search_path_override(dirs)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for number, job in enumerate(jobs):
             values = " ".join(o for o in job if o.partition("=")[0] in swept)
             labels.append(f"job {number}" + (f" ({values})" if values else ""))
-            found = override_problems(job)
+            found = override_problems(job, dirs)
             if not found:
                 try:
-                    job_cfg, cwd = _as_job(compose(config_name="config", overrides=with_parameter_tables(job),
+                    own = [o for o in with_parameter_tables(job)
+                           if not (search_path and o.startswith("hydra.searchpath="))]
+                    job_cfg, cwd = _as_job(compose(config_name="config", overrides=search_path + own,
                                                    return_hydra_config=True), number)
                     run_cfg = to_run_config(job_cfg)
                     found = config_problems(run_cfg, local_devices=True)

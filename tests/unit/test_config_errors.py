@@ -468,6 +468,30 @@ def test_a_sweep_with_an_invalid_job_starts_none_and_names_each_bad_job(
     assert not engine_guard and not any(tmp_path.iterdir())
 
 
+def test_config_groups_in_a_users_own_folder_are_choices_too(
+    engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A user's conf/model/my_mlp.yaml, found through --config-dir or hydra.searchpath as Hydra finds it: a
+    valid choice, listed among the choices of a typo, and composed into each job of a sweep before any starts."""
+    conf = tmp_path / "conf"
+    (conf / "model").mkdir(parents=True)
+    (conf / "model" / "my_mlp.yaml").write_text("name: mlp\nparams:\n  hidden: 32\n")
+    builtin = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))
+    for flags in (["--config-dir", str(conf)], [f"--config-dir={conf}"], [f"hydra.searchpath=[file://{conf}]"]):
+        assert run.override_problems([*flags, "model=my_mlp"]) == []
+        assert run.override_problems(["model=my_mlp"]) != []  # without the folder it is unknown
+        outcome = _cli([*flags, "model=my_mlpp"], monkeypatch)
+        _assert_one_problem(outcome, "model=my_mlpp: ", "valid choices in model: " + ", ".join(sorted(
+            [*builtin, "my_mlp"])))
+        outcome = _cli(["-m", *flags, "model=my_mlp", "seed=0,1", "+model.params.depth=3",
+                        f"hydra.sweep.dir={tmp_path / 'sweep'}"], monkeypatch, real_hydra=True)
+        assert outcome.code == 2 and ("job 0 (seed=0): model.params={\"depth\": 3, \"hidden\": 32}: model 'mlp' "
+                                      "has no option(s) depth") in outcome.stderr, outcome
+    # A package's folder (pkg://) cannot be listed here: Hydra answers for its choices itself.
+    assert run.override_problems(["hydra.searchpath=[pkg://my_project.conf]", "model=my_mlp"]) == []
+    assert not engine_guard
+
+
 def test_a_sweep_whose_jobs_share_a_checkpoint_dir_starts_none(
     engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
