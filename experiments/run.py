@@ -84,6 +84,9 @@ def _exit_failed(error: Exception) -> NoReturn:
 # Jobs of a multirun sweep that failed (a round with no quorum, a resume refused, ...), as "job N (overrides):
 # reason": the sweep runs its other jobs, and the command then exits 1 naming these.
 FAILED_JOBS: list[str] = []
+# Jobs of a sweep that finished, as "job N (overrides): accuracy ..., loss ... after R rounds (folder)": said
+# together once the sweep ends.
+JOB_RESULTS: list[str] = []
 
 
 def _say_failed_job(error: Exception) -> None:
@@ -511,7 +514,12 @@ def main(cfg: DictConfig) -> float:
             return float("nan")
         _exit_failed(failed)
     final = rows[-1]["accuracy"] if rows else float("nan")
-    (out_dir / "final.json").write_text(json.dumps({"accuracy": final, "rounds": len(rows)}))
+    loss = rows[-1].get("loss", float("nan")) if rows else float("nan")
+    (out_dir / "final.json").write_text(json.dumps({"accuracy": final, "loss": loss, "rounds": len(rows)}))
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        job = HydraConfig.get().job
+        JOB_RESULTS.append(f"job {job.num} ({job.override_dirname or 'no overrides'}): accuracy {final:.4f}, "
+                           f"loss {loss:.4f} after {len(rows)} rounds ({out_dir})")
     return final
 
 
@@ -625,6 +633,7 @@ def cli() -> None:
     signal.signal(signal.SIGTERM, _remember_early_signal)
     signal.signal(signal.SIGINT, _remember_early_signal)
     FAILED_JOBS.clear()
+    JOB_RESULTS.clear()
     # A setting unused by every job is refused: a sweep over a group (partition=iid,dirichlet) with a
     # setting for some of its choices (partition.alpha) is not.
     problems = override_problems(sys.argv[1:])
@@ -638,6 +647,10 @@ def cli() -> None:
         _exit_invalid(problems)
     sys.argv[1:] = with_parameter_tables(sys.argv[1:])
     main()
+    if JOB_RESULTS:  # a sweep: every job's result together, after the last job's own summary
+        print(f"fedrobust: the sweep's {len(JOB_RESULTS)} finished job{'s' if len(JOB_RESULTS) > 1 else ''}:")
+        for line in JOB_RESULTS:
+            print(f"  {line}")
     if FAILED_JOBS:
         print(f"fedrobust: {len(FAILED_JOBS)} job{'s' if len(FAILED_JOBS) > 1 else ''} of the sweep failed:",
               file=sys.stderr)

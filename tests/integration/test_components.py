@@ -406,7 +406,12 @@ def test_a_sweep_job_that_fails_leaves_the_others_to_run_and_the_sweep_exits_1(t
     assert len(failed) == 1 and failed[0].startswith("job 0 (client.lr=50,"), res.stderr
     assert "fedrobust: 1 job of the sweep failed:" in res.stderr
     assert not (tmp_path / "0" / "final.json").exists()
-    assert json.loads((tmp_path / "1" / "final.json").read_text())["rounds"] == 2
+    final = json.loads((tmp_path / "1" / "final.json").read_text())
+    assert final["rounds"] == 2 and 0 < final["accuracy"] <= 1 and final["loss"] > 0, final
+    # The finished jobs together at the end, with the final figures of job 1's final.json.
+    summary = res.stdout.split("fedrobust: the sweep's 1 finished job:\n", 1)[1].splitlines()[0].strip()
+    assert summary.startswith("job 1 (client.lr=0.3,") and f"accuracy {final['accuracy']:.4f}, loss " \
+        f"{final['loss']:.4f} after 2 rounds ({tmp_path / '1'})" in summary, summary
     assert (tmp_path / "1" / "rounds.png").read_bytes().startswith(b"\x89PNG")  # the run's picture
     assert not (tmp_path / "0" / "rounds.png").exists()
 
