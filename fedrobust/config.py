@@ -363,7 +363,10 @@ def _build(cls: type, values: Mapping[str, Any], path: str, problems: list[str])
     unknown = sorted(set(values) - names)
     if unknown:
         where = path or "run config"
-        problems.append(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(names)}")
+        # Hydra's instantiate takes a component's arguments beside _target_; here they go in its params table.
+        params = (f" (arguments of the {path} go in {path}.params: e.g. +{path}.params.{unknown[0]}=...)"
+                  if "params" in names and "_target_" in names else "")
+        problems.append(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(names)}{params}")
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
         if name not in names:

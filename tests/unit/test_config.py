@@ -120,6 +120,18 @@ def test_unknown_key_in_flat_config_lists_valid_keys() -> None:
         from_flat({"client.lr_typo": 0.1})
 
 
+@pytest.mark.parametrize("section", ["model", "dataset", "aggregator"])
+def test_a_components_argument_beside_its_target_points_at_its_params_table(section: str) -> None:
+    """Hydra's instantiate reads arguments beside _target_ (``+model.channels=4``); here they go in params."""
+    expected = (rf"{section}: unknown key\(s\) \['channels'\]; valid keys: .* \(arguments of the {section} go in "
+                rf"{section}.params: e.g. \+{section}.params.channels=")
+    with pytest.raises(ValueError, match=expected):
+        from_flat({f"{section}.channels": 4})
+    with pytest.raises(ValueError) as err:
+        from_flat({"client.channels": 4})
+    assert "params" not in str(err.value)  # the client's settings have no params table
+
+
 def test_flat_round_trip_matches_hydra() -> None:
     cfg = _compose("aggregator=krum", "num_byzantine=2", "partition=dirichlet")
     assert from_flat(cfg.to_flat()) == cfg
