@@ -23,6 +23,7 @@ from flwr.serverapp.strategy import Result
 
 from fedrobust.checkpoint import capture_rng_state
 from fedrobust.strategies import client_state
+from fedrobust.strategies.arguments import is_number
 from fedrobust.strategies.checkpointing import GuardState, RoundCheckpointer, model_is_finite
 from fedrobust.strategies.collect import push_and_collect
 from fedrobust.strategies.discovery import Discovery
@@ -151,6 +152,11 @@ class RoundLoop:
                 if initial is not None:
                     self.result.evaluate_metrics_serverapp[0] = initial
                     self.initial_evaluation = dict(initial)
+                    # The initial model is the first best: a round 1 that blows the loss up is rolled back
+                    # like any later one, instead of becoming the baseline the next rounds are judged by.
+                    loss = initial.get("loss")
+                    if is_number(loss) and math.isfinite(loss):
+                        self.guard.best_loss = min(self.guard.best_loss, float(loss))
         self.result.arrays = arrays
         try:
             self.first_round = first_round  # its deadline also covers the ClientApps' start-up
@@ -236,7 +242,11 @@ class RoundLoop:
                 self._roll_back(server_round, row, self._why_variances_went_negative(self._state_of(new_arrays)))
                 rollbacks_this_round += 1
                 if rollbacks_this_round > s.max_round_retries:
-                    raise QuorumError(f"round {server_round}: the model diverged {rollbacks_this_round} times ({why})")
+                    raise QuorumError(
+                        f"round {server_round}: the model diverged {rollbacks_this_round} times ({why}); each retry "
+                        f"lowered the server lr (by lr_decay), to {s.optimizer.lr:.4g}: if the replies that got "
+                        "through the rule are sound, start with a lower one (server_lr; server_optimizer.lr in "
+                        "the run config)")
                 continue  # the same round again, from the state before it, with a lower server lr
             rollbacks_this_round = 0
             arrays = new_arrays

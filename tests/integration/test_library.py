@@ -1211,8 +1211,22 @@ def test_a_run_on_a_directory_another_run_holds_stops_before_training(tmp_path: 
 def test_a_model_that_keeps_diverging_names_the_cause() -> None:
     """A NaN loss is no matter of divergence_factor: the error says what the guard saw."""
     strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
-    with pytest.raises(QuorumError, match=r"^round 1: the model diverged 2 times \(evaluation loss nan\)$"):
+    with pytest.raises(QuorumError, match=r"^round 1: the model diverged 2 times \(evaluation loss nan\); each retry "
+                                          r"lowered the server lr \(by lr_decay\), to 0.25: if the replies"):
         _start_on_honest_nodes(strategy, 4, evaluate=lambda server_round, arrays: MetricRecord({"loss": float("nan")}))
+
+
+def test_the_initial_model_is_the_divergence_guards_first_best(caplog: pytest.LogCaptureFixture) -> None:
+    """A round 1 whose loss is 50 times the initial model's is rolled back, as a later round would be, instead
+    of becoming the best that the next rounds are judged by."""
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
+    with caplog.at_level(logging.INFO, logger="fedrobust"), pytest.raises(
+        QuorumError, match=r"^round 1: the model diverged 2 times \(loss above divergence_factor=10 x the best"
+    ):
+        _start_on_honest_nodes(strategy, 4, evaluate=lambda server_round, arrays: MetricRecord(
+            {"loss": 1.0 if server_round == 0 else 50.0}))
+    rollbacks = [r.getMessage() for r in caplog.records if "diverged (" in r.getMessage()]
+    assert rollbacks and rollbacks[0].startswith("round 1 diverged (loss 50, best 1)"), rollbacks
 
 
 # The end of the scripts below, which stop a run in a process of their own: `strategy` on `grid`, with
@@ -1473,7 +1487,7 @@ def test_a_resumed_result_has_the_initial_evaluation_of_the_first_start(tmp_path
         return float(arrays["0.weight"].numpy().flat[0])
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        return MetricRecord({"first_weight": first_weight(arrays), "loss": float(server_round)})
+        return MetricRecord({"first_weight": first_weight(arrays), "loss": 1.0 / (server_round + 1)})
 
     def initial(shift: float) -> ArrayRecord:
         return ArrayRecord({k: v + shift for k, v in make_net().state_dict().items()})
