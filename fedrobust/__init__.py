@@ -46,17 +46,21 @@ _EXPORTS = {
     "signing_mod": "fedrobust.clients.signing_mod",
     "partition_query": "fedrobust.clients.partition_query",
     "CheckpointStore": "fedrobust.checkpoint",
+    "CheckpointMismatchError": "fedrobust.checkpoint",
+    "NoValidCheckpointError": "fedrobust.strategies.checkpointing",
     "TrustStore": "fedrobust.signing",
     "RunConfig": "fedrobust.config",
 }
 
 __all__ = [
     "AggregationError",
+    "CheckpointMismatchError",
     "CheckpointStorageError",
     "CheckpointStore",
     "ClientFailureError",
     "EXIT_PREEMPTED",
     "NoNodesError",
+    "NoValidCheckpointError",
     "NodesBusyError",
     "Preempted",
     "QuorumError",
@@ -75,11 +79,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fedrobust import aggregators, attacks, plot
-    from fedrobust.checkpoint import CheckpointStore
+    from fedrobust.checkpoint import CheckpointMismatchError, CheckpointStore
     from fedrobust.clients.partition_query import partition_query
     from fedrobust.clients.signing_mod import signing_mod
     from fedrobust.config import RunConfig
     from fedrobust.signing import TrustStore
+    from fedrobust.strategies.checkpointing import NoValidCheckpointError
     from fedrobust.strategies.errors import (
         EXIT_PREEMPTED,
         AggregationError,

@@ -1083,8 +1083,15 @@ class RobustStrategy(Strategy):
         NoNodesError
             Fewer than ``min_available_nodes`` nodes connected within ``wait_for_nodes``.
         QuorumError
-            A round stayed below the rule's minimum of valid replies after every retry (a
-            checkpoint of the last completed round is written first).
+            A round stayed below the rule's minimum of valid replies after every retry, or its model
+            diverged at every retry (a checkpoint of the last completed round is written first).
+        CheckpointMismatchError
+            The checkpoint to resume from was saved with other settings or another model
+            (``force_resume=True`` resumes anyway where only settings differ).
+        NoValidCheckpointError
+            ``checkpoint_dir`` holds checkpoints but none of them verifies (``resume="never"`` starts fresh).
+        CheckpointStorageError
+            The checkpoint storage cannot be used (not writable, no credentials).
         ClientFailureError
             Every reply of a round failed on the clients with the same error.
         AggregationError
