@@ -334,7 +334,9 @@ class RobustStrategy(Strategy):
         A resume takes the newest valid checkpoint of either place.
     checkpoint_full_every : int
         Incremental checkpoints: a full one every K saves and deltas of the previous one in between
-        (1: every checkpoint is full).
+        (1: every checkpoint is full). A kept delta keeps the checkpoints it was built on, and with
+        ``checkpoint_keep`` > 1 the chain before the newest full one stays too (a fallback should the
+        full one be corrupt): up to about ``2 * K`` checkpoints are on disk rather than ``keep``.
     checkpoint_storage_options : mapping, optional
         fsspec options (endpoint, credentials) of the remote store: of ``checkpoint_mirror`` when
         given, else of ``checkpoint_dir``. Credentials may also come from the environment.
