@@ -185,9 +185,9 @@ def config_dirs(args: Sequence[str]) -> list[Path]:
 
 
 def _group_choices(key: str, dirs: Sequence[Path]) -> list[str] | None:
-    """The names of config group ``key`` in ``dirs``: None when ``key`` is no group of the package's, or
-    the folders are not all known (``dirs`` empty)."""
-    if not (CONF_DIR / key).is_dir() or not dirs:
+    """The names of config group ``key`` in ``dirs``; None when the folders are not all known (``dirs``
+    empty)."""
+    if not dirs:
         return None
     return sorted({p.stem for folder in dirs for p in (folder / key).glob("*.yaml")})
 
@@ -244,15 +244,16 @@ def override_problems(args: Sequence[str], dirs: Sequence[Path] | None = None) -
             if not override.is_add():
                 problems.append(f"{key}={format_value(value)}: unknown key; valid keys in {section}: {valid}")
             continue
-        names = _group_choices(key, dirs) if dataclasses.is_dataclass(hint) else None
-        if names is not None and not isinstance(value, str):
+        is_group = dataclasses.is_dataclass(hint) and (CONF_DIR / key).is_dir()
+        names = _group_choices(key, dirs) if is_group else None
+        if is_group and not isinstance(value, str):
             # Hydra's grammar reads a bare nan, inf, 1 or true as a number or a bool, and then fails
             # with a traceback on a group choice, which must be a name.
             kind = "boolean" if isinstance(value, bool) else "number"
-            problems.append(f"{key}={format_value(value)}: Hydra reads this value as a {kind}, not a name; "
-                            f"valid choices in {key}: {', '.join(names)}")
+            listed = f"; valid choices in {key}: {', '.join(names)}" if names is not None else ""
+            problems.append(f"{key}={format_value(value)}: Hydra reads this value as a {kind}, not a name{listed}")
             continue
-        if dataclasses.is_dataclass(hint) and isinstance(value, str) and (CONF_DIR / key).is_dir():
+        if is_group and isinstance(value, str):
             if names is not None and value not in names and "${" not in value:  # Hydra's answer: some 30 lines
                 problems.append(f"{key}={format_value(value)}: unknown choice; valid choices in {key}: "
                                 f"{', '.join(names)}")
