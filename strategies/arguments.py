@@ -163,8 +163,9 @@ def _check_ranges(a: SimpleNamespace) -> None:
           "(Flower's FedAvg takes 0 for evaluation only)")
     check(0.0 <= a.fraction_evaluate <= 1.0, f"fraction_evaluate must be in [0, 1], got {a.fraction_evaluate!r}")
     check(0 <= a.server_lr_min_ratio <= 1, f"server_lr_min_ratio must be in [0, 1], got {a.server_lr_min_ratio!r}")
-    check(a.max_update_norm is None or a.max_update_norm > 0,
-          f"max_update_norm must be > 0 (None: no bound), got {a.max_update_norm!r}")
+    check(a.max_update_norm is None or a.max_update_norm >= 0,
+          f"max_update_norm must be >= 0 (0 or None: no bound), got {a.max_update_norm!r}")
+    a.max_update_norm = a.max_update_norm or None  # 0 is off, as validation.max_update_norm=0 in a run config
     check(a.round_deadline is None or a.round_deadline > 0, f"round_deadline must be > 0 s, got {a.round_deadline!r}")
     check(a.wait_for_nodes >= 0, f"wait_for_nodes must be >= 0 s, got {a.wait_for_nodes!r}")
     check(a.grace_after_quorum >= 0, f"grace_after_quorum must be >= 0 s (0: off), got {a.grace_after_quorum!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import os
@@ -34,8 +35,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedrobust import aggregators, memory, protocol
-from fedrobust.config import AggregatorConfig, LivenessConfig
+from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, AggregatorConfig, LivenessConfig
 from fedrobust.liveness import LivenessTracker
+from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import ServerOptimizer, lr_factor
 from fedrobust.signing import TrustStore
 from fedrobust.strategies import arguments
@@ -147,7 +149,12 @@ ServerUpdateFn = Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, torch.
 
 
 # Warnings said once a process.
-_said = {"plain mean": False, "f=0": False, "no weights": False, "no min_n": False}
+_said = {"plain mean": False, "f=0": False, "no weights": False, "no min_n": False, "no checkpoint_dir": False}
+# Settings that only act with a checkpoint_dir (checkpoint_mirror and force_resume without one are errors).
+_CHECKPOINT_SETTINGS = (
+    "checkpoint_every", "checkpoint_every_seconds", "checkpoint_keep", "checkpoint_full_every",
+    "checkpoint_storage_options", "checkpoint_mtbf",
+)
 
 
 class RoundIntake:
@@ -295,7 +302,7 @@ class RobustStrategy(Strategy):
         Float sums on a GPU may round differently from the CPU's, so a run's bytes can differ from
         those of the same run aggregated on the CPU.
     max_update_norm : float, optional
-        L2 bound on a reply's update; None: no bound (non-finite updates are always rejected).
+        L2 bound on a reply's update; None or 0: no bound (non-finite updates are always rejected).
     max_num_examples : int
         Largest believable example count of a reply.
     round_deadline : float, optional
@@ -458,6 +465,7 @@ class RobustStrategy(Strategy):
         )
         self._warn_about_f(a.num_byzantine)
         self._warn_about_rule(a.num_byzantine, a.weight_by_num_examples)
+        _warn_about_checkpoint_settings(locals())
         self.server_update_fn = server_update_fn
         self._rule_spec = (aggregator, tuple(pre) if not isinstance(pre, str) else (pre,), plain(aggregator_params))
         self.num_byzantine: int = a.num_byzantine
@@ -815,7 +823,7 @@ class RobustStrategy(Strategy):
         outcome.accepted = [u.node_id for u in accepted]
         outcome.train_metrics = self._train_metrics(accepted)
         proven = self._proven_faulty(outcome)
-        self._say_if_more_faulty(server_round, len(proven))
+        self._say_if_more_faulty(server_round, len(proven), outcome.rejected)
         f_used = max(0, self.num_byzantine - len(proven))
         rule = self._rule_for(f_used)
         outcome.f_used = f_used
@@ -923,21 +931,30 @@ class RobustStrategy(Strategy):
         proven.update(n for n in self.liveness.known_nodes() if self.liveness.status(n) == "quarantined")
         return proven
 
-    def _say_if_more_faulty(self, server_round: int, proven: int) -> None:
+    def _say_if_more_faulty(self, server_round: int, proven: int, rejected: Counter[str]) -> None:
         """Warn, once a run, when more nodes were proven faulty than ``num_byzantine``: the rule's assumption
         of at most f faulty nodes is then known not to hold, and faulty nodes that validation cannot see
-        may be left with no rows to outvote them."""
+        may be left with no rows to outvote them. When this round's rejections share one reason, that is
+        said first: nodes failing alike point at a setting or the ClientApp, not at f."""
         if proven <= self.num_byzantine or self._said_more_faulty:
             return
         self._said_more_faulty = True
+        alike = len(rejected) == 1 and sum(rejected.values()) > max(self.num_byzantine, 1)
+        advice = (
+            f"{sum(rejected.values())} replies were rejected for the same reason ({next(iter(rejected))}), which "
+            "points at a setting or the ClientApp's replies rather than at faulty nodes: fix that first (the "
+            "reason's detail is in the round's line); if the nodes do misbehave, raise num_byzantine"
+        ) if alike else (
+            "raise num_byzantine to the number of nodes that may misbehave, or fix the rejected ones (their "
+            "reasons are in the round's line)"
+        )
         log.warning(
             "round %d: %d nodes proven faulty (rejected or quarantined), more than num_byzantine=%d: the rule "
-            "tolerates f faulty nodes, and misconfigured nodes count among them; raise num_byzantine to the "
-            "number of nodes that may misbehave, or fix the rejected ones (their reasons are in the round's "
-            "line). Said once a run.",
+            "tolerates f faulty nodes, and misconfigured nodes count among them; %s. Said once a run.",
             server_round,
             proven,
             self.num_byzantine,
+            advice,
         )
 
     def _rule_for(self, f: int) -> aggregators.Aggregator:
@@ -1059,9 +1076,40 @@ class RobustStrategy(Strategy):
         return (
             f"RobustStrategy: rule={self.aggregator.label} f={self.num_byzantine} "
             f"fraction_train={self.fraction_train:g} min_train_nodes={self.min_train_nodes} {evaluation} "
-            f"server-opt={self.optimizer.name}(lr={self.optimizer.lr:g}) max-norm={self.max_update_norm} "
-            f"signatures={signatures} checkpoints={self.checkpoint_dir or 'off'}"
+            f"server-opt={self._optimizer_text()} max-norm={self.max_update_norm} "
+            f"signatures={signatures} checkpoints={self._checkpoint_text()}"
         )
+
+    def _optimizer_text(self) -> str:
+        """``fedadam(lr=0.1, beta_1=0.9, beta_2=0.99, tau=0.001, cosine to 0.1)``: what the server step reads."""
+        opt = self.optimizer
+        parts = [f"lr={opt.lr:g}", *(f"{name}={getattr(opt, name):g}" for name in SERVER_OPTIMIZER_PARAMS[opt.name])]
+        if callable(self.server_lr_schedule):
+            schedule = self.server_lr_schedule
+            parts.append(f"schedule {getattr(schedule, '__qualname__', type(schedule).__name__)}")
+        elif self.server_lr_schedule != "constant":
+            parts.append(f"{self.server_lr_schedule} to {self.server_lr_min_ratio:g} x lr")
+        return f"{opt.name}({', '.join(parts)})"
+
+    def _checkpoint_text(self) -> str:
+        """``DIR (every 1 round(s), keep 3, mirror s3://bucket/run)`` or ``off``."""
+        if not self.checkpoint_dir:
+            return "off"
+        every, parts = self.checkpoint_every, []
+        if every == CHECKPOINT_INTERVAL_AUTO:
+            parts.append("at the Young/Daly interval")
+        elif every:
+            parts.append(f"every {every} round(s)")
+        if self.checkpoint_every_seconds:
+            parts.append(f"every {self.checkpoint_every_seconds:g} s")
+        if not every:
+            parts.append("after the last round")
+        parts.append(f"keep {self.checkpoint_keep}")
+        if self.checkpoint_full_every > 1:
+            parts.append(f"a full one every {self.checkpoint_full_every}")
+        if self.checkpoint_mirror:
+            parts.append(f"mirror {self.checkpoint_mirror}")
+        return f"{self.checkpoint_dir} ({', '.join(parts)})"
 
     def start(
         self,
@@ -1373,6 +1421,19 @@ _BOUND_SETTINGS = {
     NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config",
     BAD_NUM_EXAMPLES: "max_num_examples, validation.max_num_examples in the run config",
 }
+
+
+def _warn_about_checkpoint_settings(given: Mapping[str, Any]) -> None:
+    """Say once a process when checkpoint settings other than the defaults come without checkpoint_dir: the
+    run would then write no checkpoint, where the settings say the user expects them."""
+    if given["checkpoint_dir"] not in (None, "") or _said["no checkpoint_dir"]:
+        return
+    defaults = inspect.signature(RobustStrategy.__init__).parameters
+    changed = [f"{name}={given[name]!r}" for name in _CHECKPOINT_SETTINGS if given[name] != defaults[name].default]
+    if changed:
+        _said["no checkpoint_dir"] = True
+        log.warning("%s without checkpoint_dir: no checkpoint is written; pass checkpoint_dir to checkpoint the "
+                    "rounds", ", ".join(changed))
 
 
 def _train_named(aggregated: Mapping[str, Any]) -> dict[str, float]:

@@ -33,6 +33,7 @@ from fedrobust.strategies.reporting import MetricsLog
 from fedrobust.text import first_and_more
 
 if TYPE_CHECKING:
+    from fedrobust.aggregators import Aggregator
     from fedrobust.strategies.robust_strategy import RobustStrategy, RoundOutcome
 
 log = logging.getLogger(__name__)
@@ -379,12 +380,29 @@ class RoundLoop:
         connected = len(list(self.grid.get_node_ids()))
         rule = s._rule_for(s.num_byzantine)
         if connected >= rule.min_n():
+            self._say_if_no_spare_reply(connected, rule)
             return
         log.warning(
             "%d nodes connected, but %s with f=%d needs at least %d valid replies: the first round stops the run "
             "unless more nodes join (or validation proves replies faulty: each one lowers f by one); connect more "
             "nodes or %s",
             connected, rule.label, s.num_byzantine, rule.min_n(), s.too_few_advice(connected, s.num_byzantine),
+        )
+
+    def _say_if_no_spare_reply(self, connected: int, rule: Aggregator) -> None:
+        """Warn when every round samples exactly the replies the rule needs with f > 0 (e.g. 3 nodes and f=1):
+        a rejected reply lowers f and the round goes on, but one node that drops out or misses the deadline
+        leaves it short, and the round is retried or stops the run."""
+        s = self.strategy
+        sampled = s.sample_size(connected)
+        if s.num_byzantine == 0 or s.over_select or sampled != rule.min_n():
+            return
+        log.warning(
+            "each round samples %d of the %d connected nodes, exactly the %d valid replies %s with f=%d needs: "
+            "one node that drops out or misses the deadline leaves a round short (rejected replies lower f, "
+            "dropouts do not), and it is retried (max_round_retries=%d) or stops the run; connect more nodes, "
+            "raise fraction_train, or sample spare nodes with over_select",
+            sampled, connected, rule.min_n(), rule.label, s.num_byzantine, s.max_round_retries,
         )
 
     def _train_round(self, arrays: ArrayRecord, server_round: int) -> tuple[dict[str, Any], ArrayRecord]:

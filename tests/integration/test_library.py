@@ -550,14 +550,22 @@ def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplo
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     warnings = [r.getMessage() for r in caplog.records if "more than num_byzantine" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith("round 1: 3 nodes proven faulty"), warnings
+    # Refused alike: the setting or the ClientApp comes first, num_byzantine last.
+    assert "; 3 replies were rejected for the same reason (malformed_reply), which points at a setting or the " \
+           "ClientApp's replies rather than at faulty nodes: fix that first" in warnings[0]
+    assert warnings[0].endswith("if the nodes do misbehave, raise num_byzantine. Said once a run.")
     assert not [n for n in strategy.liveness.known_nodes() if strategy.liveness.status(n) == "quarantined"]
 
     # One node with a bad count, two without one: two reasons, retried as before.
     grid = InProcessGrid(_echo_app(lambda p: {"num-examples": -5} if p == 0 else {"train_loss": 0.5}), 3, seed=0)
     strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_round_retries=1, progress=False)
+    caplog.clear()
     with _server_identity(grid.run.run_id), pytest.raises(QuorumError, match=r"^round 1: not aggregated after 2 "
                                                                              r"attempts \(0 valid replies"):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
+    warnings = [r.getMessage() for r in caplog.records if "more than num_byzantine" in r.getMessage()]
+    assert len(warnings) == 1 and "; raise num_byzantine to the number of nodes that may misbehave, or fix the " \
+                                  "rejected ones" in warnings[0], warnings
 
 
 def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -> None:
@@ -826,7 +834,8 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         ({"num_byzantine": -1}, "num_byzantine"),
         ({"fraction_train": 1.5}, "fraction_train"),
         ({"server_optimizer": "sgd"}, "valid choices"),
-        ({"max_update_norm": -1.0}, "max_update_norm"),
+        ({"max_update_norm": -1.0}, r"^max_update_norm must be >= 0 \(0 or None: no bound\), got -1.0$"),
+        ({"max_update_norm": float("nan")}, r"^max_update_norm must be >= 0 \(0 or None: no bound\), got nan$"),
         ({"divergence_factor": -1.0}, "divergence_factor"),
         ({"resume": "sometimes"}, "valid choices"),
         ({"checkpoint_keep": 0}, "checkpoint_keep"),
@@ -882,6 +891,8 @@ def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
     assert type(strategy.num_byzantine) is int and strategy.num_byzantine == 2 and strategy.min_train_nodes == 3
     assert type(strategy.server_lr) is float and type(strategy.optimizer.lr) is float  # JSON in checkpoints
     assert strategy.liveness_config.dead_after == 3
+    # 0 is "no bound", as validation.max_update_norm=0 in a run config.
+    assert RobustStrategy(num_byzantine=1, max_update_norm=np.float32(0), progress=False).max_update_norm is None
     from fedrobust.strategies import robust_strategy
 
     robust_strategy._said["plain mean"] = False  # another test of this process may have had it said
@@ -935,6 +946,42 @@ def test_settings_a_rule_does_not_honour_are_said_once(
     rows = [m for m in said if "has no min_n()" in m]
     assert len(rows) == 1 and "so it runs on as few as 1 valid reply; with num_byzantine=1" in rows[0]
 
+
+def test_checkpoint_settings_without_a_checkpoint_dir_are_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """checkpoint_every=5 without checkpoint_dir writes nothing: said, naming what was set, once a process."""
+    from fedrobust.strategies import robust_strategy
+
+    monkeypatch.setitem(robust_strategy._said, "no checkpoint_dir", False)
+    with caplog.at_level("WARNING", logger="fedrobust.strategies.robust_strategy"):
+        RobustStrategy(num_byzantine=1, progress=False)  # the defaults: nothing to say
+        RobustStrategy(num_byzantine=1, checkpoint_dir="", progress=False)
+        assert not [m for m in caplog.messages if "checkpoint_dir" in m]
+        for _ in range(2):
+            RobustStrategy(num_byzantine=1, checkpoint_every=5, checkpoint_keep=2, progress=False)
+    said = [m for m in caplog.messages if "without checkpoint_dir" in m]
+    assert said == ["checkpoint_every=5, checkpoint_keep=2 without checkpoint_dir: no checkpoint is written; pass "
+                    "checkpoint_dir to checkpoint the rounds"]
+
+
+def test_the_start_line_shows_the_server_step_and_how_checkpoints_are_kept(tmp_path: Path) -> None:
+    plain_run = RobustStrategy(num_byzantine=1, progress=False).describe()
+    assert "server-opt=fedavg(lr=1) " in plain_run and plain_run.endswith("checkpoints=off")
+    adam = RobustStrategy(
+        num_byzantine=1, server_optimizer="fedadam", server_lr=0.1, server_lr_schedule="cosine",
+        server_lr_min_ratio=0.2, checkpoint_dir=tmp_path / "ck", checkpoint_every="auto", checkpoint_full_every=4,
+        checkpoint_mirror=str(tmp_path / "mirror"), progress=False,
+    ).describe()
+    assert "server-opt=fedadam(lr=0.1, beta_1=0.9, beta_2=0.99, tau=0.001, cosine to 0.2 x lr) " in adam
+    assert adam.endswith(f"checkpoints={tmp_path / 'ck'} (at the Young/Daly interval, keep 3, a full one every 4, "
+                         f"mirror {tmp_path / 'mirror'})")
+    by_time = RobustStrategy(
+        num_byzantine=1, server_optimizer="fedavgm", server_lr_schedule=lambda r, n: 1.0,
+        checkpoint_dir=tmp_path / "ck", checkpoint_every=0, checkpoint_every_seconds=60, progress=False,
+    ).describe()
+    assert "server-opt=fedavgm(lr=1, momentum=0.9, schedule test_the_start_line_shows_" in by_time
+    assert by_time.endswith("(every 60 s, after the last round, keep 3)")
 
 def test_a_plain_function_or_a_built_object_is_the_rule_itself() -> None:
     """What a user coming from Flower writes first: ``def rule(updates)`` or ``MyRule(f=1)``, not a factory."""

@@ -197,3 +197,24 @@ def test_a_run_that_ends_at_chance_without_an_attack_is_said(tmp_path: Path, cap
     with caplog.at_level("WARNING", logger="fedrobust.strategies.server_app"):
         trained = run_inprocess(small_config(tmp_path, num_rounds=3), tmp_path / "trained")
     assert trained[-1]["accuracy"] > 0.5 and not [m for m in caplog.messages if "chance level" in m]
+
+
+@pytest.mark.parametrize(("clients", "warned"), [(3, True), (4, False)])
+def test_rounds_that_sample_exactly_what_the_rule_needs_are_said_before_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, clients: int, warned: bool
+) -> None:
+    """3 nodes with f=1 and the trimmed mean (2f + 1 = 3): a rejected reply lowers f, a dropout does not, so
+    one node that drops out leaves the round short; with a fourth node there is a spare."""
+    cfg = small_config(tmp_path, num_clients=clients, clients_per_round=clients, num_rounds=1)
+    with caplog.at_level("WARNING", logger="fedrobust.strategies.round_loop"):
+        run_inprocess(cfg, Path(cfg.output_dir))
+    said = [m for m in caplog.messages if "exactly the" in m]
+    if warned:
+        assert said == [
+            "each round samples 3 of the 3 connected nodes, exactly the 3 valid replies trimmed_mean with f=1 "
+            "needs: one node that drops out or misses the deadline leaves a round short (rejected replies lower "
+            "f, dropouts do not), and it is retried (max_round_retries=2) or stops the run; connect more nodes, "
+            "raise fraction_train, or sample spare nodes with over_select"
+        ]
+    else:
+        assert said == []
