@@ -32,7 +32,7 @@ from fedrobust.config import RunConfig
 from fedrobust.run_setup import validate
 from fedrobust.strategies.errors import Preempted
 from fedrobust.strategies.robust_strategy import RobustStrategy
-from fedrobust.strategies.server_app import run_experiment
+from fedrobust.strategies.server_app import check_resume, run_experiment
 from fedrobust.strategies.stopping import StopSignals, install_stop_handlers
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,9 @@ def simulate(
     # The server's evaluation data, read before Ray starts: a data set that cannot be read (a Hub data
     # set offline, a user loader that fails) fails in seconds, and the server's own read is a cache hit.
     components.load_evaluation_set(cfg)
+    # A resume the server would refuse (other settings, no checkpoint that verifies) is refused before Ray's
+    # start-up too (~20 s); the server's own check, once the nodes are up, is the same one.
+    check_resume(cfg)
     flwr_logger = logging.getLogger("flwr")
     if not verbose:  # Flower logs every actor and backend step at DEBUG
         flwr_logger.setLevel(logging.INFO)

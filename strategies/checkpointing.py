@@ -25,6 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from fedrobust.checkpoint import (
     CONFIG_HASH_KEY,
+    Checkpoint,
     CheckpointMismatchError,
     CheckpointStore,
     capture_rng_state,
@@ -291,54 +292,10 @@ class RoundCheckpointer:
                 log.warning("starting fresh (resume=never): moved %d earlier checkpoint(s) aside: %s",
                             len(moved), ", ".join(moved))
             return None
-        checkpoint = self.store.latest_valid(None)
+        checkpoint = self._resumable(model, say=True)
         if checkpoint is None:
-            if self.store.rounds():
-                where = self.url if self.mirror is None else f"{self.url} or its mirror {self.mirror}"
-                raise NoValidCheckpointError(
-                    f"no checkpoint in {where} verifies: " + "; ".join(self.store.skipped)
-                    + ". Start fresh with resume='never' (checkpoint.resume=never): they are moved aside, not "
-                    "deleted."
-                )
             return None
-        meta = checkpoint.meta
-        saved = meta.get(SETTINGS_KEY, {})
-        # Settings a checkpoint of an earlier version does not record are not compared.
-        unrecorded = [k for k in _RECORDED_LATER if k in self.settings and k not in saved]
-        current = {k: v for k, v in self.settings.items() if k not in unrecorded}
-        current, uncaptured = _without_unrecorded_captures(current, saved)
-        if uncaptured:
-            log.warning("checkpoint %s records no values captured by the function of %s (saved by an earlier "
-                        "version): not compared", checkpoint.path, ", ".join(uncaptured))
-        # A checkpoint that records its lr schedule records num_rounds only under a schedule, by design; and
-        # where both record a whole run config (the Hydra path), the schedule and the train config follow from
-        # it, so they were compared after all.
-        said = [k for k in unrecorded if not (k == "num_rounds" and "server_lr_schedule" in saved)
-                and not (k in _IN_RUN_CONFIG and RUN_SETTINGS_KEY in saved and RUN_SETTINGS_KEY in self.settings)]
-        if said:
-            log.warning("checkpoint %s records no %s (saved by an earlier version): not compared",
-                        checkpoint.path, ", ".join(said))
-        if meta.get(CONFIG_HASH_KEY) != config_hash(current):
-            differ = _differences(saved, current)
-            message = (
-                f"checkpoint {checkpoint.path} (round {checkpoint.round}) was saved with other settings: "
-                + ("; ".join(differ) if differ else "settings hash differs")
-            )
-            if not self.force:
-                raise CheckpointMismatchError(
-                    f"{message}. Resume with the original settings, use another checkpoint directory, or force "
-                    "the resume (force_resume=True; checkpoint.force_resume=true)."
-                )
-            log.warning("%s; resuming anyway (forced)", message)
-        groups = split_groups(checkpoint.tensors)
-        differ = [] if model is None else model_differences(groups["model"], model)
-        if differ:
-            raise CheckpointMismatchError(
-                f"checkpoint {checkpoint.path} (round {checkpoint.round}) holds another model than the run's "
-                f"initial arrays: {'; '.join(differ)}. Resume with the model it was saved with, or use another "
-                "checkpoint directory (or resume='never', checkpoint.resume=never: earlier checkpoints are moved "
-                "aside, not deleted)."
-            )
+        meta, groups = checkpoint.meta, split_groups(checkpoint.tensors)
         restore_rng_state(groups.get("rng", {}), meta["rng"])
         # The newer checkpoints that did not verify would be deleted by this run's saves of their rounds:
         # they are kept for inspection instead, as a fresh start keeps what it finds.
@@ -369,6 +326,69 @@ class RoundCheckpointer:
             client_state=dict(meta.get("clients", {})),
             initial_evaluation=meta.get("initial_evaluation"),
         )
+
+    def check_resume(self, model: Mapping[str, Any] | None = None) -> int | None:
+        """The round :meth:`restore` would resume after (None: a fresh start), raising as it would, but
+        changing nothing: no RNG state restored, nothing moved aside, no restart recorded. For a caller that
+        can refuse a run before starting its nodes."""
+        if self.store is None or self.resume == "never":
+            return None
+        checkpoint = self._resumable(model, say=False)
+        return None if checkpoint is None else checkpoint.round
+
+    def _resumable(self, model: Mapping[str, Any] | None, *, say: bool) -> Checkpoint | None:
+        """The newest checkpoint that verifies, checked against this run's settings and ``model``; None when
+        there is none. ``say``: log what is not compared and a forced resume (once, by the resume itself)."""
+        assert self.store is not None
+        checkpoint = self.store.latest_valid(None)
+        if checkpoint is None:
+            if self.store.rounds():
+                where = self.url if self.mirror is None else f"{self.url} or its mirror {self.mirror}"
+                raise NoValidCheckpointError(
+                    f"no checkpoint in {where} verifies: " + "; ".join(self.store.skipped)
+                    + ". Start fresh with resume='never' (checkpoint.resume=never): they are moved aside, not "
+                    "deleted."
+                )
+            return None
+        meta = checkpoint.meta
+        saved = meta.get(SETTINGS_KEY, {})
+        # Settings a checkpoint of an earlier version does not record are not compared.
+        unrecorded = [k for k in _RECORDED_LATER if k in self.settings and k not in saved]
+        current = {k: v for k, v in self.settings.items() if k not in unrecorded}
+        current, uncaptured = _without_unrecorded_captures(current, saved)
+        if uncaptured and say:
+            log.warning("checkpoint %s records no values captured by the function of %s (saved by an earlier "
+                        "version): not compared", checkpoint.path, ", ".join(uncaptured))
+        # A checkpoint that records its lr schedule records num_rounds only under a schedule, by design; and
+        # where both record a whole run config (the Hydra path), the schedule and the train config follow from
+        # it, so they were compared after all.
+        said = [k for k in unrecorded if not (k == "num_rounds" and "server_lr_schedule" in saved)
+                and not (k in _IN_RUN_CONFIG and RUN_SETTINGS_KEY in saved and RUN_SETTINGS_KEY in self.settings)]
+        if said and say:
+            log.warning("checkpoint %s records no %s (saved by an earlier version): not compared",
+                        checkpoint.path, ", ".join(said))
+        if meta.get(CONFIG_HASH_KEY) != config_hash(current):
+            differ = _differences(saved, current)
+            message = (
+                f"checkpoint {checkpoint.path} (round {checkpoint.round}) was saved with other settings: "
+                + ("; ".join(differ) if differ else "settings hash differs")
+            )
+            if not self.force:
+                raise CheckpointMismatchError(
+                    f"{message}. Resume with the original settings, use another checkpoint directory, or force "
+                    "the resume (force_resume=True; checkpoint.force_resume=true)."
+                )
+            if say:
+                log.warning("%s; resuming anyway (forced)", message)
+        differ = [] if model is None else model_differences(split_groups(checkpoint.tensors)["model"], model)
+        if differ:
+            raise CheckpointMismatchError(
+                f"checkpoint {checkpoint.path} (round {checkpoint.round}) holds another model than the run's "
+                f"initial arrays: {'; '.join(differ)}. Resume with the model it was saved with, or use another "
+                "checkpoint directory (or resume='never', checkpoint.resume=never: earlier checkpoints are moved "
+                "aside, not deleted)."
+            )
+        return checkpoint
 
     def close(self) -> None:
         """Flush the last write. Its failure (a full disk) is logged, not raised: the run's model is intact in

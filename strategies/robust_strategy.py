@@ -1192,6 +1192,28 @@ class RobustStrategy(Strategy):
         with on_flower_exit(self.request_stop):
             return loop.run(initial_arrays)
 
+    def check_resume(
+        self, initial_arrays: ArrayRecord, num_rounds: int = 3, train_config: ConfigRecord | None = None
+    ) -> int | None:
+        """The round a :meth:`start` with these arguments would resume after (None: it would start at round
+        1), raising the checkpoint errors ``start()`` would raise there, without a node and without changing
+        anything on disk. Call it before starting the nodes (a simulation's Ray, a deployment's SuperNodes)
+        to have a resume refused in seconds.
+
+        Raises
+        ------
+        CheckpointMismatchError, NoValidCheckpointError, CheckpointStorageError
+            As :meth:`start`.
+        """
+        from fedrobust.strategies.round_loop import checkpointer_for
+
+        _check_initial_arrays(initial_arrays)
+        checkpointer = checkpointer_for(self, num_rounds, train_config or ConfigRecord())
+        try:
+            return checkpointer.check_resume(initial_arrays)
+        finally:
+            checkpointer.close()
+
     # ------------------------------------------------------------------ validation
     def _reserve_rows(self, count: int) -> None:
         """Have the update matrix for ``count`` replies resident before they arrive.

@@ -44,6 +44,30 @@ DIVERGENCE_LOSS_FLOOR = 0.01
 EvaluateFn = Callable[[int, ArrayRecord], MetricRecord | None]
 
 
+def checkpointer_for(s: RobustStrategy, num_rounds: int, train_config: ConfigRecord) -> RoundCheckpointer:
+    """The checkpointer of a ``start()`` with these arguments: its settings are what a checkpoint must agree with."""
+    # The train config reaches every client's training, so a checkpoint must agree with it too.
+    settings = {**s.settings, "train_config": dict(train_config)}
+    if s.server_lr_schedule != "constant":
+        # A schedule spans num_rounds: the rounds run so far followed its span, so a run may be extended
+        # (a constant lr) only where the lr does not depend on it.
+        settings["num_rounds"] = num_rounds
+    return RoundCheckpointer(
+        s.checkpoint_dir,
+        settings=settings,
+        every_rounds=s.checkpoint_every,
+        every_seconds=s.checkpoint_every_seconds,
+        keep=s.checkpoint_keep,
+        resume=s.resume,
+        force=s.force_resume,
+        full_every=s.checkpoint_full_every,
+        storage_options=s.checkpoint_storage_options,
+        mirror=s.checkpoint_mirror,
+        mtbf=s.checkpoint_mtbf,
+        num_rounds=num_rounds,
+    )
+
+
 class RoundLoop:
     """One run of a :class:`RobustStrategy` on a grid (built and run by ``strategy.start()``)."""
 
@@ -68,26 +92,7 @@ class RoundLoop:
         self._said_no_loss = False  # the warning that evaluate_fn gives no loss for the divergence guard, once
         self._said_evaluation_failed = False  # the warning that no federated evaluation reply came back, once
         s = strategy
-        # The train config reaches every client's training, so a checkpoint must agree with it too.
-        settings = {**s.settings, "train_config": dict(train_config)}
-        if s.server_lr_schedule != "constant":
-            # A schedule spans num_rounds: the rounds run so far followed its span, so a run may be extended
-            # (a constant lr) only where the lr does not depend on it.
-            settings["num_rounds"] = num_rounds
-        self.checkpointer = RoundCheckpointer(
-            s.checkpoint_dir,
-            settings=settings,
-            every_rounds=s.checkpoint_every,
-            every_seconds=s.checkpoint_every_seconds,
-            keep=s.checkpoint_keep,
-            resume=s.resume,
-            force=s.force_resume,
-            full_every=s.checkpoint_full_every,
-            storage_options=s.checkpoint_storage_options,
-            mirror=s.checkpoint_mirror,
-            mtbf=s.checkpoint_mtbf,
-            num_rounds=num_rounds,
-        )
+        self.checkpointer = checkpointer_for(s, num_rounds, train_config)
         self.metrics = MetricsLog(s.metrics_path, num_rounds, echo=s.progress, f=s.num_byzantine)
         self.discovery = (
             Discovery(grid, s.partitions, s.answered, s.num_partitions) if s.discover_partitions else None

@@ -161,6 +161,15 @@ def run_experiment(
     return result
 
 
+def check_resume(cfg: RunConfig) -> int | None:
+    """The round a run of ``cfg`` would resume after (None: round 1), raising the checkpoint errors the run
+    would raise once its nodes are up (:meth:`RobustStrategy.check_resume`)."""
+    if not cfg.checkpoint.dir:
+        return None
+    strategy = strategy_from_config(cfg, progress=False)
+    return strategy.check_resume(initial_arrays(cfg), cfg.num_rounds)
+
+
 def say_if_more_nodes_than_clients(grid: Grid, cfg: RunConfig, strategy: RobustStrategy) -> None:
     """Warn when more nodes are connected at the start than ``num_clients``, e.g. a simulation whose
     num-supernodes was raised and not num_clients: each round samples the fraction clients_per_round /

@@ -1553,6 +1553,48 @@ def test_a_resumed_result_has_the_initial_evaluation_of_the_first_start(tmp_path
     assert first_weight(initial(1.0)) != first.evaluate_metrics_serverapp[0]["first_weight"]
 
 
+def test_check_resume_says_where_start_would_resume_and_refuses_as_it_would_without_changing_anything(
+    tmp_path: Path,
+) -> None:
+    """check_resume(): the round start() would resume after, or start()'s own refusal (other settings, no
+    checkpoint that verifies), before any node is up; nothing moved aside, the global RNG untouched."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+    from fedrobust import NoValidCheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    arrays = ArrayRecord(make_net().state_dict())
+
+    def strategy(**options: Any) -> RobustStrategy:
+        return RobustStrategy(aggregator="median", checkpoint_dir=ckpt, progress=False, **options)
+
+    assert strategy().check_resume(arrays, num_rounds=2) is None  # nothing there yet: round 1
+    grid = InProcessGrid(_echo_app(lambda _: {"num-examples": 10}), 3, seed=0)
+    with _server_identity(grid.run.run_id):
+        strategy().start(grid=grid, initial_arrays=arrays, num_rounds=2)
+    on_disk = sorted(p.name for p in ckpt.iterdir())
+    wider = nn.Sequential(nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+    rng = torch.get_rng_state()
+    assert strategy().check_resume(arrays, num_rounds=3) == 2
+    with pytest.raises(CheckpointMismatchError, match=r"round-000002 \(round 2\) was saved with other settings: "
+                                                      r"aggregator: 'median' -> 'mean'"):
+        RobustStrategy(aggregator="mean", checkpoint_dir=ckpt, progress=False).check_resume(arrays, num_rounds=3)
+    with pytest.raises(CheckpointMismatchError, match=r"holds another model than the run's initial arrays"):
+        strategy().check_resume(ArrayRecord(wider.state_dict()), num_rounds=3)
+    # The newest checkpoint corrupted: the one before it is where start() would resume; it stays in place.
+    newest = ckpt / "round-000002"
+    target = next(p for p in newest.iterdir() if p.suffix == ".safetensors")
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: its sha256 no longer matches the manifest's
+    target.write_bytes(bytes(data))
+    assert strategy().check_resume(arrays, num_rounds=3) == 1
+    (ckpt / "round-000001" / target.name).write_bytes(b"not a checkpoint")
+    with pytest.raises(NoValidCheckpointError, match=r"no checkpoint in .* verifies"):
+        strategy().check_resume(arrays, num_rounds=3)
+    assert sorted(p.name for p in ckpt.iterdir()) == on_disk  # nothing moved aside, as start() would
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert strategy(resume="never").check_resume(arrays) is None
+    assert RobustStrategy(aggregator="median", progress=False).check_resume(arrays) is None  # no checkpoint_dir
+
 def test_a_run_whose_server_lr_follows_a_schedule_is_not_extended_on_resume(tmp_path: Path) -> None:
     """A cosine lr spans num_rounds: rounds 1-2 of a 2-round run had other lrs than in a 4-round run, so a
     resume with num_rounds=4 would not give a 4-round run's model. It is refused, naming num_rounds (a

@@ -218,3 +218,21 @@ def test_rounds_that_sample_exactly_what_the_rule_needs_are_said_before_training
         ]
     else:
         assert said == []
+
+
+def test_a_simulation_refuses_a_resume_before_ray_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other settings than the checkpoint's: the Hydra run's simulation says so in seconds, not after Ray's
+    start-up and the nodes' (the server's own check, once they are up, is the same one)."""
+    from experiments import simulate as simulation
+
+    def ray_starts(verbose: bool) -> None:
+        raise AssertionError("Ray started before the resume was refused")
+
+    monkeypatch.setattr(simulation, "_start_ray", ray_starts)
+    ckpt = str(tmp_path / "ckpt")
+    first = small_config(tmp_path / "a", **{"checkpoint.dir": ckpt})
+    run_inprocess(first, Path(first.output_dir))
+    changed = small_config(tmp_path / "b", **{"checkpoint.dir": ckpt, "seed": 3})
+    with pytest.raises(CheckpointMismatchError, match=r"round-000002 \(round 2\) was saved with other settings: "
+                                                      r"run.seed: 0 -> 3; seed: 0 -> 3\. Resume with"):
+        simulation.simulate(changed, Path(changed.output_dir))
