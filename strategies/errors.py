@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flwr.app.exception import AppExitException
+from flwr.serverapp.strategy import Result
 from flwr.supercore.exit import ExitCode
 
 # Exit code of a process stopped by SIGTERM/SIGINT after writing its checkpoint (EX_TEMPFAIL):
@@ -11,7 +12,14 @@ EXIT_PREEMPTED = 75
 
 
 class QuorumError(RuntimeError):
-    """A round could not gather enough valid replies within its retries (or the model kept diverging)."""
+    """A round could not gather enough valid replies within its retries (or the model kept diverging).
+
+    ``result``, set by ``RobustStrategy.start()``, is Flower's Result up to the last completed round: its
+    ``arrays`` are that round's model (the initial arrays when none completed), its metrics those rounds'.
+    Where FedAvg would go on with the next round, a caller that wants the model so far takes it from here.
+    """
+
+    result: Result | None = None
 
 
 class ClientFailureError(QuorumError):
@@ -48,6 +56,8 @@ class Preempted(RuntimeError, AppExitException):
     """
 
     exit_code = ExitCode.GRACEFUL_EXIT_SIGTERM
+    #: As :attr:`QuorumError.result`: Flower's Result up to the last completed round, set by ``start()``.
+    result: Result | None = None
 
     def __init__(self, message: str, *, checkpointed: bool = False) -> None:
         super().__init__(message)

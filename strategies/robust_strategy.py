@@ -1134,7 +1134,8 @@ class RobustStrategy(Strategy):
             Fewer than ``min_available_nodes`` nodes connected within ``wait_for_nodes``.
         QuorumError
             A round stayed below the rule's minimum of valid replies after every retry, or its model
-            diverged at every retry (a checkpoint of the last completed round is written first).
+            diverged at every retry (a checkpoint of the last completed round is written first). Its
+            ``result`` is the Result of the rounds that completed (``result.arrays``: the last one's model).
         CheckpointMismatchError
             The checkpoint to resume from was saved with other settings or another model
             (``force_resume=True`` resumes anyway where only settings differ).

@@ -198,6 +198,7 @@ class RoundLoop:
                         f"stopping: the checkpoint of round {last} could not be written; a resume starts after "
                         f"round {newest}"
                     )
+            stopped.result = self.result  # the model and metrics of the rounds that completed
             if stopped is err:
                 raise
             raise stopped from err

@@ -568,6 +568,33 @@ def test_a_round_with_every_reply_rejected_says_why_and_that_f_was_lowered(caplo
                                   "rejected ones" in warnings[0], warnings
 
 
+def test_a_run_stopped_by_a_round_that_failed_hands_back_the_result_of_the_rounds_before() -> None:
+    """Where FedAvg goes on after a round with no result, RobustStrategy stops (QuorumError): the error
+    carries Flower's Result up to the last completed round, so a ServerApp without checkpoints keeps round
+    1's model when every client fails in round 2."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+    from fedrobust import ClientFailureError
+
+    app = ClientApp()
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        if int(msg.content["config"]["server-round"]) == 2:
+            raise RuntimeError("CUDA out of memory")
+        arrays = ArrayRecord({k: v + 1.0 for k, v in msg.content["arrays"].to_torch_state_dict().items()})
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 10})}), reply_to=msg)
+
+    grid = InProcessGrid(app, 3, seed=0)
+    initial = make_net().state_dict()
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, progress=False)
+    with _server_identity(grid.run.run_id), pytest.raises(ClientFailureError, match=r"^round 2: .*CUDA out of memory") \
+            as stopped:
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(initial), num_rounds=3)
+    result = stopped.value.result
+    assert result is not None and sorted(result.train_metrics_clientapp) == [1]
+    after_round_1 = result.arrays.to_torch_state_dict()
+    assert all(torch.equal(after_round_1[k], initial[k] + 1.0) for k in initial)  # round 1's median, stepped
+
 def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -> None:
     strategy = RobustStrategy(num_byzantine=1, min_available_nodes=5, wait_for_nodes=0.5, progress=False)
     with pytest.raises(NoNodesError, match=r"^2 of the 5 nodes needed \(min_available_nodes\) connected within "
@@ -1416,6 +1443,7 @@ def test_flowers_exit_path_stops_a_users_run_after_checkpointing_it(tmp_path: Pa
                        evaluate_fn=evaluate)
     assert stopped.value.checkpointed
     assert sorted(p.name for p in ckpt.glob("round-*")) == ["round-000002"]
+    assert stopped.value.result is not None and sorted(stopped.value.result.train_metrics_clientapp) == [1, 2]
     deadline = time.monotonic() + 10
     while not checkpointed_on_return and time.monotonic() < deadline:
         time.sleep(0.01)
