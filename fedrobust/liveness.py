@@ -262,6 +262,16 @@ class LivenessTracker:
             return "quarantined"
         return node.status  # type: ignore[return-value]
 
+    def dead_nodes(self) -> dict[int, int | None]:
+        """The dead nodes heard of (``dead_after`` missed rounds in a row, or reported offline), by id, each
+        with the round it is next sampled in as a probe (None: when Flower reports it online again). Sampling
+        leaves them out until then, so a round's report names them: they are neither dropped nor rejected."""
+        return {
+            node_id: None if node.offline else node.retry_round
+            for node_id, node in sorted(self._nodes.items())
+            if node_id in self._heard and node.status == "dead" and not node.quarantined
+        }
+
     def known_nodes(self) -> list[int]:
         """Every node id the tracker has heard of, sorted."""
         return sorted(self._nodes)

@@ -91,6 +91,8 @@ def progress_line(row: dict[str, Any], num_rounds: int, *, f: int | None = None)
         for name in ("accuracy", "loss", "backdoor_asr")
         if isinstance(row.get(name), int | float)
     )
+    if federated := _federated_text(row):
+        evaluation += f"federated {federated}  "
     errors = row.get("client_errors", {})
     return (
         f"[round {row['round']:>3}/{num_rounds}] {evaluation}"
@@ -98,11 +100,19 @@ def progress_line(row: dict[str, Any], num_rounds: int, *, f: int | None = None)
         f"dropped {row['dropped']:>2}{f' (client errors {sum(errors.values())})' if errors else ''}  "
         + (f"filtered {row['filtered']:>2}  " if row.get("filtered") else "")
         + (f"excluded {row['excluded']:>2}  " if row.get("excluded") else "")
+        + (f"dead {len(row['dead_nodes'])}  " if row.get("dead_nodes") else "")
         + (f"f {f_used} of {f}  " if lowered else "")
         + f"train {row['seconds_train']:.2f}s agg {row['seconds_aggregate']:.3f}s "
         f"eval {row.get('seconds_evaluate', 0.0):.2f}s"
         + (f" (evaluate replies failed {failed})" if (failed := _evaluate_failed(row)) else "")
     )
+
+
+def _federated_text(row: dict[str, Any]) -> str:
+    """``loss 0.3100 accuracy 0.9200``: the clients' own evaluation of the round's model (fraction_evaluate > 0),
+    each metric trimmed and weighted by the server; empty without one."""
+    metrics = sorted((row.get("federated_evaluate") or {}).items())
+    return " ".join(f"{k} {v:.4f}" for k, v in metrics if isinstance(v, int | float))
 
 
 def _evaluate_failed(row: dict[str, Any]) -> int:
@@ -117,7 +127,8 @@ def _node(entry: dict[str, Any]) -> str:
 
 def node_lines(row: dict[str, Any]) -> list[str]:
     """Which nodes were rejected (and why), dropped, filtered out by the pipeline, given no weight by the rule
-    (one line: a rule that selects one row excludes all others), or are quarantined this round."""
+    (one line: a rule that selects one row excludes all others), or are quarantined or dead (left out of
+    sampling) after this round."""
     lines = [
         f"    rejected: {_node(e)}: {e['reason']} ({e.get('detail', '')})" for e in row.get("rejected_nodes", [])
     ]
@@ -131,6 +142,11 @@ def node_lines(row: dict[str, Any]) -> list[str]:
     lines += [f"    evaluate error x{n}: {message}" for message, n in row.get("evaluate_errors", {}).items()]
     if row.get("quarantined"):
         lines.append(f"    quarantined: nodes {', '.join(str(n) for n in row['quarantined'])}")
+    lines += [
+        f"    dead: {_node(e)}, not sampled "
+        + (f"until its probe in round {e['probe']}" if e.get("probe") is not None else "while Flower lists it offline")
+        for e in row.get("dead_nodes", [])
+    ]
     return lines
 
 
@@ -192,6 +208,8 @@ def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 
         + (f", excluded by the rule {excluded}" if (excluded := sum(r.get("excluded", 0) for r in rows)) else ""),
         f"rollbacks {last.get('rollbacks', 0)}, retried rounds {sum(1 for r in rows if r.get('attempts', 1) > 1)}",
     ]
+    if federated := _federated_text(last):
+        lines.append(f"final federated evaluation {federated}")
     if failed := sum(_evaluate_failed(r) for r in rows):
         lines.append(f"federated evaluation: {failed} evaluate replies failed or missed the deadline (see the rounds)")
     if often := left_out_most(rows):

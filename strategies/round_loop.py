@@ -506,6 +506,7 @@ class RoundLoop:
 
     def _row(self, outcome: RoundOutcome, attempts: int, seconds: float) -> dict[str, Any]:
         s = self.strategy
+        dead = s.liveness.dead_nodes()
         return {
             "round": outcome.round,
             "sampled": outcome.sampled,
@@ -524,6 +525,7 @@ class RoundLoop:
             "excluded_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in s._order(outcome.excluded)],
             "client_errors": dict(outcome.client_errors),
             "quarantined": sorted(n for n in s.liveness.known_nodes() if s.liveness.status(n) == "quarantined"),
+            "dead_nodes": [{"node": n, "partition": s.partitions.get(n), "probe": dead[n]} for n in s._order(dead)],
             "aggregated": outcome.aggregated,
             "attempts": attempts,
             "f_used": outcome.f_used,
@@ -693,8 +695,8 @@ class RoundLoop:
 _OWN_KEYS = frozenset(
     {
         "round", "sampled", "accepted", "rejected", "rejected_nodes", "dropped", "dropped_nodes", "filtered",
-        "filtered_nodes", "excluded", "excluded_nodes", "client_errors",
-        "quarantined", "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
+        "filtered_nodes", "excluded", "excluded_nodes", "client_errors", "quarantined", "dead_nodes",
+        "aggregated", "attempts", "f_used", "seconds_train", "seconds_aggregate", "seconds_evaluate",
         "seconds_checkpoint_blocking", "checkpoint_interval", "rollbacks", "liveness", "federated_evaluate",
         "server_lr", "evaluate_errors", "evaluate_missing",
     }

@@ -595,6 +595,33 @@ def test_a_run_stopped_by_a_round_that_failed_hands_back_the_result_of_the_round
     after_round_1 = result.arrays.to_torch_state_dict()
     assert all(torch.equal(after_round_1[k], initial[k] + 1.0) for k in initial)  # round 1's median, stepped
 
+def test_a_node_marked_dead_is_named_in_the_rounds_it_is_not_sampled(capsys: pytest.CaptureFixture[str]) -> None:
+    """A node whose ClientApp raises every round is dropped 3 rounds in a row, then dead: the rounds that
+    leave it out say so (its replies are then neither dropped nor rejected), with the round of its probe."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+
+    app = ClientApp()
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        if int(context.node_config["partition-id"]) == 0:
+            raise RuntimeError("the device's disk is full")
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 10})}),
+                       reply_to=msg)
+
+    grid = InProcessGrid(app, 5, seed=0)
+    strategy = RobustStrategy(aggregator="median", num_byzantine=1, progress=True)
+    with _server_identity(grid.run.run_id):
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=5)
+    lines = capsys.readouterr().out.splitlines()
+    rounds = [line for line in lines if line.startswith("[round")]
+    assert [("dropped  1" in line, "dead 1" in line) for line in rounds] == [
+        (True, False), (True, False), (True, True), (False, True), (False, True)
+    ]
+    dead = [line for line in lines if line.startswith("    dead: ")]
+    assert len(dead) == 3 and len(set(dead)) == 1
+    assert re.fullmatch(r"    dead: node \d+, not sampled until its probe in round 6", dead[0]), dead[0]
+
 def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -> None:
     strategy = RobustStrategy(num_byzantine=1, min_available_nodes=5, wait_for_nodes=0.5, progress=False)
     with pytest.raises(NoNodesError, match=r"^2 of the 5 nodes needed \(min_available_nodes\) connected within "

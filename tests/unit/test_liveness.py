@@ -310,3 +310,18 @@ def test_carry_over_gives_a_checkpoint_nodes_quarantine_to_its_new_id() -> None:
     assert tracker.state_dict()["nodes"]["70"]["rejection_reasons"] == {"nonfinite": 1}
     tracker.carry_over(8, 80)  # a node the checkpoint does not know: nothing to carry
     assert tracker.known_nodes() == [70]
+
+
+def test_dead_nodes_name_the_round_of_their_next_probe_and_offline_ones_none() -> None:
+    tracker = LivenessTracker(suspect_after=1, dead_after=2, backoff_rounds=2)
+    for node in (1, 2, 3):
+        tracker.record_reply(node, 1)
+    tracker.record_miss(1, 2)
+    assert tracker.dead_nodes() == {}  # suspected only: still sampled
+    tracker.record_miss(1, 3)
+    tracker.observe_node(2, online=False)
+    assert tracker.dead_nodes() == {1: 6, 2: None}  # 3 + backoff 2 + 1; offline: until listed online
+    assert tracker.eligible([1, 2, 3], 4) == [3] and tracker.eligible([1, 2, 3], 6) == [1, 3]
+    tracker.record_reply(1, 6)
+    tracker.observe_node(2, online=True)
+    assert tracker.dead_nodes() == {}

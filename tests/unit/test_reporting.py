@@ -113,3 +113,25 @@ def test_the_summary_names_the_nodes_left_out_in_most_rounds() -> None:
     assert left_out_most(rows, listed=1).endswith("3/3 and 1 more")
     assert left_out_most(rows[2:] + [row(4, [], [])]) == ""  # once in two rounds is not most
     assert "left out" not in summary_text([row(1, [], [])], 1.0)
+
+
+def test_the_progress_line_and_summary_show_the_federated_evaluation_and_the_dead_nodes() -> None:
+    from fedrobust.strategies.reporting import node_lines, progress_line, summary_text
+
+    row = {
+        "round": 3, "accuracy": 0.9, "loss": 0.4, "accepted": 3, "rejected": {}, "dropped": 1,
+        "seconds_train": 0.5, "seconds_aggregate": 0.01, "federated_evaluate": {"loss": 0.31, "accuracy": 0.92},
+        "dead_nodes": [{"node": 7, "partition": 0, "probe": 6}, {"node": 9, "partition": None, "probe": None}],
+    }
+    line = progress_line(row, 5)
+    assert line.startswith("[round   3/5] accuracy 0.9000  loss 0.4000  federated accuracy 0.9200 loss 0.3100  "
+                           "accepted   3")
+    assert "dropped  1  dead 2  train" in line
+    assert node_lines(row) == [
+        "    dead: node 7 (partition 0), not sampled until its probe in round 6",
+        "    dead: node 9, not sampled while Flower lists it offline",
+    ]
+    assert "final federated evaluation accuracy 0.9200 loss 0.3100" in summary_text([row], 1.0).splitlines()
+    plain = {k: v for k, v in row.items() if k not in ("federated_evaluate", "dead_nodes")}
+    assert "federated" not in progress_line(plain, 5) + summary_text([plain], 1.0)
+    assert "dead" not in progress_line(plain, 5) and node_lines(plain) == []
