@@ -32,6 +32,7 @@ from fedrobust.config import (
 from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import SCHEDULES as SERVER_LR_SCHEDULES
 from fedrobust.server_optim import ServerOptimizer
+from fedrobust.text import did_you_mean
 from fedrobust.training import AMP_MODES, pick_device
 
 
@@ -70,16 +71,18 @@ def _local_dir(problems: list[str], key: str, value: str, what: str) -> None:
 def _choice(problems: list[str], key: str, value: str, valid: Sequence[str]) -> bool:
     if value in valid:
         return True
-    _problem(problems, key, value, f"unknown choice; valid choices: {', '.join(sorted(valid))}")
+    meant = did_you_mean(value, valid)
+    _problem(problems, key, value, f"unknown choice{meant}; valid choices: {', '.join(sorted(valid))}")
     return False
 
 
 def _check_pipeline(cfg: RunConfig, problems: list[str]) -> tuple[bool, bool]:
     """Whether the rule's name and the pre-aggregators' names are valid, each reported when not."""
     named_pre = cfg.named_stages()[:-1]
-    unknown = [f"pre-aggregator {pre!r}" for pre in named_pre if pre not in aggregators.pre_names()]
+    unknown = [f"pre-aggregator {pre!r}{did_you_mean(pre, aggregators.pre_names())}" for pre in named_pre
+               if pre not in aggregators.pre_names()]
     if not cfg.aggregator._target_ and cfg.rule() not in aggregators.names():
-        unknown.append(f"rule {cfg.rule()!r}")
+        unknown.append(f"rule {cfg.rule()!r}{did_you_mean(cfg.rule(), aggregators.names())}")
     rule_ok = not unknown
     order = aggregators.pipeline_order_hint(cfg.aggregator.name) if not cfg.aggregator._target_ else None
     if order is not None:

@@ -71,6 +71,7 @@ __all__ = [
     "NONCE_MAX_BYTES",
     "NONCE_MIN_BYTES",
     "REASONS",
+    "REASON_DETAILS",
     "REASON_BAD_SIGNATURE",
     "REASON_DUPLICATE_REPLY",
     "REASON_KEY_BOUND_TO_OTHER_NODE",
@@ -116,6 +117,19 @@ REASONS: Final = (
     REASON_BAD_SIGNATURE,
     REASON_DUPLICATE_REPLY,
 )
+
+#: What each reason means for the operator, for a rejection's detail.
+REASON_DETAILS: Final = {
+    REASON_MISSING_SIGNATURE: (
+        "no signature: the ClientApp needs signing_mod(), and signing_mod a key for the node (the node config's "
+        "signing-key, or a key or key_for(context) passed to signing_mod)"
+    ),
+    REASON_UNKNOWN_KEY: "signed with a key the trust store does not hold",
+    REASON_KEY_BOUND_TO_OTHER_NODE: "signed with a key the trust store binds to another node",
+    REASON_WRONG_ROUND_OR_NONCE: "signed for another round or nonce than this round's: a replay",
+    REASON_BAD_SIGNATURE: "the signature does not match the reply's arrays and count under its key",
+    REASON_DUPLICATE_REPLY: "a second reply with this round's nonce",
+}
 
 #: Name of the binding file inside a trust store directory.
 TRUST_FILE: Final = "trust.json"

@@ -1,11 +1,26 @@
-"""How a list is said in one line of a message: the first few items and how many more."""
+"""How a list is said in one line of a message: the first few items and how many more; the name meant."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+from collections.abc import Iterable, Sequence
 
 
 def first_and_more(items: Sequence[object], shown: int = 3) -> str:
     """``"a, b, c and 4 more"``: a message about a whole model's keys or a hundred nodes stays one line."""
     said = ", ".join(map(str, items[:shown]))
     return said + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+
+def did_you_mean(name: object, valid: Iterable[str]) -> str:
+    """``" (did you mean 'krum'?)"`` for a misspelt name (``'Krum'``, ``'krumm'``, ``'trimmed-mean'``); empty
+    when no valid name is close. For messages that list the valid names after it."""
+    if not isinstance(name, str):
+        return ""
+    choices = list(valid)
+    normal = {c.lower().replace("-", "_"): c for c in choices}
+    typed = name.strip().lower().replace("-", "_").replace(" ", "_")
+    close = [normal[typed]] if typed in normal else difflib.get_close_matches(typed, list(normal), n=1, cutoff=0.75)
+    match = normal.get(close[0], close[0]) if close else None
+    return f" (did you mean {match!r}?)" if match is not None and match != name else ""

@@ -327,6 +327,13 @@ class RoundCheckpointer:
             initial_evaluation=meta.get("initial_evaluation"),
         )
 
+    def _name(self, setting: str, value: object) -> str:
+        """``resume='never'`` for a library run, ``checkpoint.resume=never`` for one of fedrobust's apps (its
+        settings hold the run config): how the setting is written where the user writes it."""
+        if RUN_SETTINGS_KEY in self.settings:
+            return f"checkpoint.{setting}={str(value).lower() if isinstance(value, bool) else value}"
+        return f"{setting}={value!r}"
+
     def check_resume(self, model: Mapping[str, Any] | None = None) -> int | None:
         """The round :meth:`restore` would resume after (None: a fresh start), raising as it would, but
         changing nothing: no RNG state restored, nothing moved aside, no restart recorded. For a caller that
@@ -346,8 +353,7 @@ class RoundCheckpointer:
                 where = self.url if self.mirror is None else f"{self.url} or its mirror {self.mirror}"
                 raise NoValidCheckpointError(
                     f"no checkpoint in {where} verifies: " + "; ".join(self.store.skipped)
-                    + ". Start fresh with resume='never' (checkpoint.resume=never): they are moved aside, not "
-                    "deleted."
+                    + f". Start fresh with {self._name('resume', 'never')}: they are moved aside, not deleted."
                 )
             return None
         meta = checkpoint.meta
@@ -376,7 +382,7 @@ class RoundCheckpointer:
             if not self.force:
                 raise CheckpointMismatchError(
                     f"{message}. Resume with the original settings, use another checkpoint directory, or force "
-                    "the resume (force_resume=True; checkpoint.force_resume=true)."
+                    f"the resume ({self._name('force_resume', True)})."
                 )
             if say:
                 log.warning("%s; resuming anyway (forced)", message)
@@ -385,8 +391,8 @@ class RoundCheckpointer:
             raise CheckpointMismatchError(
                 f"checkpoint {checkpoint.path} (round {checkpoint.round}) holds another model than the run's "
                 f"initial arrays: {'; '.join(differ)}. Resume with the model it was saved with, or use another "
-                "checkpoint directory (or resume='never', checkpoint.resume=never: earlier checkpoints are moved "
-                "aside, not deleted)."
+                f"checkpoint directory (or {self._name('resume', 'never')}: earlier checkpoints are moved aside, not "
+                "deleted)."
             )
         return checkpoint
 

@@ -39,9 +39,10 @@ from fedrobust.config import CHECKPOINT_INTERVAL_AUTO, AggregatorConfig, Livenes
 from fedrobust.liveness import LivenessTracker
 from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import ServerOptimizer, lr_factor
-from fedrobust.signing import TrustStore
+from fedrobust.signing import REASON_DETAILS, TrustStore
 from fedrobust.strategies import arguments
 from fedrobust.strategies.arguments import check, is_number, plain
+from fedrobust.strategies.checkpointing import RUN_SETTINGS_KEY
 from fedrobust.strategies.errors import AggregationError
 from fedrobust.strategies.replies import error_reason, parse_reply
 from fedrobust.strategies.signatures import SignatureCheck
@@ -449,6 +450,9 @@ class RobustStrategy(Strategy):
         server_update_fn: ServerUpdateFn | None = None,
         settings: Mapping[str, Any] | None = None,
     ) -> None:
+        # FedAvg(0.5) is fraction_train=0.5; here the first argument is the rule.
+        check(not is_number(aggregator), f"aggregator={aggregator!r}: RobustStrategy's first argument is the rule "
+              f"(FedAvg's is fraction_train): pass fraction_train={aggregator!r} by name")
         a = arguments.checked({name: value for name, value in locals().items() if name != "self"})
         if isinstance(aggregator, aggregators.Aggregator):
             check(
@@ -527,6 +531,8 @@ class RobustStrategy(Strategy):
         self.update_hook = update_hook
         self.return_freed_memory: bool = a.return_freed_memory
         self.settings = {**self._own_settings(), **dict(settings or {})}
+        # Built by fedrobust's apps from a run config: messages name its keys, not the constructor's arguments.
+        self.from_run_config = RUN_SETTINGS_KEY in self.settings
 
         # node id -> partition id (discover_partitions); filled by the round loop's discovery.
         self.partitions: dict[int, int] = {}
@@ -601,6 +607,11 @@ class RobustStrategy(Strategy):
             )
 
     # ------------------------------------------------------------------ settings
+    def setting_name(self, argument: str, run_config_key: str) -> str:
+        """How a message names a setting: ``run_config_key`` (``guard.divergence_factor``) for a strategy
+        that fedrobust's apps built from a run config, else the constructor's ``argument``."""
+        return run_config_key if self.from_run_config else argument
+
     def _own_settings(self) -> dict[str, Any]:
         """The settings that change what is computed; a checkpoint must agree with them to resume."""
         rule, pre, params = self._rule_spec
@@ -840,7 +851,7 @@ class RobustStrategy(Strategy):
                     f"federation's num-supernodes; a deployment: see flwr supernode ls) or "
                     + self.too_few_advice(outcome.sampled, f_used)
                 )
-            outcome.why_not_aggregated += _rejections_text(outcome, self.num_byzantine)
+            outcome.why_not_aggregated += _rejections_text(outcome, self.num_byzantine, self.setting_name)
             return outcome
         start = time.perf_counter()
         assert len(matrix) == len(accepted)
@@ -1275,7 +1286,7 @@ class RobustStrategy(Strategy):
                 partitions=self.partitions,
             )
             if reason is not None:
-                return Rejection(reason, "signature check failed")
+                return Rejection(reason, REASON_DETAILS.get(reason, "signature check failed"))
             # Structure, finiteness and norm in one pass that also writes the row (local - global for
             # Flower's convention): the reply's bytes are read once.
             rejection = check_num_examples(parsed.num_examples, self.max_num_examples) or matrix.add(
@@ -1420,7 +1431,9 @@ def _trimmed_weighted(values: list[tuple[float, float]], f: int) -> float:
     return sum(v * c for v, c in kept) / sum(c for _, c in kept)
 
 
-def _rejections_text(outcome: RoundOutcome, tolerated: int, shown: int = 3) -> str:
+def _rejections_text(
+    outcome: RoundOutcome, tolerated: int, setting_name: Callable[[str, str], str], shown: int = 3
+) -> str:
     """``; rejected 5: 5x non_finite (...)``: the most common reasons,
     each with the detail of its first reply, or nothing when no reply was rejected. More than ``tolerated``
     (num_byzantine) replies rejected for one reason are said to look like a bug, not an attack."""
@@ -1431,7 +1444,7 @@ def _rejections_text(outcome: RoundOutcome, tolerated: int, shown: int = 3) -> s
         detail.setdefault(entry["reason"], entry["detail"])
     parts = "; ".join(f"{n}x {reason} ({detail[reason]})" for reason, n in outcome.rejected.most_common(shown))
     # A bound set too low for the model rejects honest nodes too: name the setting that moves it.
-    bounds = [_BOUND_SETTINGS[r] for r, _ in outcome.rejected.most_common(shown) if r in _BOUND_SETTINGS]
+    bounds = [setting_name(*_BOUND_SETTINGS[r]) for r, _ in outcome.rejected.most_common(shown) if r in _BOUND_SETTINGS]
     hint = f" (if these nodes are honest, raise the bound: {'; '.join(bounds)})" if bounds else ""
     total = sum(outcome.rejected.values())
     if not hint and len(outcome.rejected) == 1 and total > max(tolerated, 1):
@@ -1440,9 +1453,9 @@ def _rejections_text(outcome: RoundOutcome, tolerated: int, shown: int = 3) -> s
     return f"; rejected {total}: {parts}{hint}"
 
 
-_BOUND_SETTINGS = {
-    NORM_TOO_LARGE: "max_update_norm, validation.max_update_norm in the run config",
-    BAD_NUM_EXAMPLES: "max_num_examples, validation.max_num_examples in the run config",
+_BOUND_SETTINGS = {  # reason -> (argument, run config key) of the bound
+    NORM_TOO_LARGE: ("max_update_norm", "validation.max_update_norm"),
+    BAD_NUM_EXAMPLES: ("max_num_examples", "validation.max_num_examples"),
 }
 
 

@@ -252,8 +252,8 @@ class RoundLoop:
                     raise QuorumError(
                         f"round {server_round}: the model diverged {rollbacks_this_round} times ({why}); each retry "
                         f"lowered the server lr (by lr_decay), to {s.optimizer.lr:.4g}: if the replies that got "
-                        "through the rule are sound, start with a lower one (server_lr; server_optimizer.lr in "
-                        "the run config)")
+                        f"through the rule are sound, start with a lower one "
+                        f"({s.setting_name('server_lr', 'server_optimizer.lr')})")
                 continue  # the same round again, from the state before it, with a lower server lr
             rollbacks_this_round = 0
             arrays = new_arrays
@@ -350,7 +350,7 @@ class RoundLoop:
                     f"{connected} nodes connected, but only {have} of the {need} needed ({why}) "
                     f"answered the partition query within {s.wait_for_nodes:g} s (silent: node {named}); nothing "
                     f"was trained. Either the nodes are busy: {busy}: run again, or wait "
-                    "longer (wait_for_nodes; fault.wait_for_nodes in fedrobust's run config). Or their ClientApp "
+                    f"longer ({s.setting_name('wait_for_nodes', 'fault.wait_for_nodes')}). Or their ClientApp "
                     "has no query handler: discover_partitions=True asks each node for its partition-id with a "
                     "query message; give it one, e.g. app.query()(fedrobust.partition_query) (fedrobust's own "
                     "ClientApp has one), or pass discover_partitions=False"
@@ -363,7 +363,7 @@ class RoundLoop:
                     f"{connected} of the {need} nodes needed ({why}) connected within "
                     f"{s.wait_for_nodes:g} s{answered}; nothing was trained. Start more nodes (a local simulation: its "
                     f"federation's num-supernodes; a deployment: flwr supernode ls shows which are online) or "
-                    f"need fewer ({why}; clients_per_round in fedrobust's run config)"
+                    f"need fewer ({s.setting_name(why, 'clients_per_round')})"
                 )
             if have != last_said:
                 # With discovery a node counts once it has said which partition it holds, so say both.
@@ -473,7 +473,8 @@ class RoundLoop:
             raise QuorumError(
                 f"round {server_round}: not aggregated after {attempts} attempt{'s' if attempts > 1 else ''} "
                 f"({outcome.why_not_aggregated})"
-                + _errors_text(outcome, first_round=outcome.round == self.first_round and attempts == 1)
+                + _errors_text(outcome, self._deadline_name(), first_round=outcome.round == self.first_round
+                               and attempts == 1)
             )
         return self._row(outcome, attempts, time.perf_counter() - t0), outcome.arrays
 
@@ -498,10 +499,14 @@ class RoundLoop:
         strategy = self.strategy
         return lambda got: strategy.stop_requested or sum(not r.has_error() for r in got) >= target
 
+    def _deadline_name(self) -> str:
+        return self.strategy.setting_name("round_deadline, else start()'s timeout", "fault.round_timeout")
+
     def _say_not_aggregated(self, outcome: RoundOutcome, attempt: int) -> None:
         self.metrics.say(
             f"round {outcome.round} attempt {attempt + 1} not aggregated: {outcome.why_not_aggregated}"
-            + _errors_text(outcome, first_round=outcome.round == self.first_round and attempt == 0)
+            + _errors_text(outcome, self._deadline_name(), first_round=outcome.round == self.first_round
+                           and attempt == 0)
         )
 
     def _row(self, outcome: RoundOutcome, attempts: int, seconds: float) -> dict[str, Any]:
@@ -618,10 +623,8 @@ class RoundLoop:
         # A model that fits its data has a best loss near 0, and factor x best then trips on noise (1e-6 to
         # 5e-5 is "50 times" but nothing happened): the best counts as at least DIVERGENCE_LOSS_FLOOR.
         if loss > factor * max(self.guard.best_loss, DIVERGENCE_LOSS_FLOOR):
-            return (
-                f"loss above divergence_factor={factor:g} x the best; 0 turns the loss test off, "
-                "guard.divergence_factor in the run config"
-            )
+            name = self.strategy.setting_name("divergence_factor", "guard.divergence_factor")
+            return f"loss above {name}={factor:g} x the best; 0 turns the loss test off"
         return None
 
     @staticmethod
@@ -727,7 +730,7 @@ class _RoundStart:
     client_states: dict[str, RecordDict]
 
 
-def _errors_text(outcome: RoundOutcome, *, first_round: bool = False) -> str:
+def _errors_text(outcome: RoundOutcome, deadline_name: str, *, first_round: bool = False) -> str:
     """The replies that did not come: those that failed on the clients (the commonest errors) and those that
     missed the deadline (``first_round``: of the first round a start() trains, after a resume too)."""
     text = ""
@@ -737,8 +740,7 @@ def _errors_text(outcome: RoundOutcome, *, first_round: bool = False) -> str:
         text += f"; {errors} of {outcome.sampled} replies failed on the clients: {parts}"
     missed = len(outcome.dropped) - errors
     if missed > 0:
-        text += (f"; {missed} of {outcome.sampled} replies missed the round's deadline (round_deadline, else "
-                 "start()'s timeout; fault.round_timeout in fedrobust's run config"
+        text += (f"; {missed} of {outcome.sampled} replies missed the round's deadline ({deadline_name}"
                  + ("; the first round's also covers the ClientApps' start-up, e.g. a simulation's workers"
                     if first_round else "") + ")")
     return text

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from fedrobust.aggregators.base import Component, PreAggregator, Rule
 from fedrobust.aggregators.pipeline import Aggregator
+from fedrobust.text import did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ _OTHER_RULE_FORMS = (
 
 def _lookup(registry: Mapping[str, type[Component]], name: object, kind: str, more: str = "") -> type[Component]:
     if not isinstance(name, str) or name not in registry:
-        raise ValueError(f"unknown {kind} {name!r}; valid names: {', '.join(registry)}{more}")
+        meant = did_you_mean(name, registry)
+        raise ValueError(f"unknown {kind} {name!r}{meant}; valid names: {', '.join(registry)}{more}")
     return registry[name]
 
 
@@ -111,7 +113,8 @@ def _construct(cls: type[Component], f: int, params: Mapping[str, Any]) -> Compo
     unknown = sorted(set(params) - set(keyword))
     if unknown:
         valid = ", ".join(keyword) or "none"
-        raise ValueError(f"{cls.name}: unknown parameter(s) {', '.join(unknown)}; valid parameters: {valid}")
+        meant = did_you_mean(unknown[0], keyword) if len(unknown) == 1 else ""
+        raise ValueError(f"{cls.name}: unknown parameter(s) {', '.join(unknown)}{meant}; valid parameters: {valid}")
     missing = [name for name, p in keyword.items() if p.default is inspect.Parameter.empty and name not in params]
     if missing:
         raise ValueError(f"{cls.name}: missing required parameter(s) {', '.join(missing)}")

@@ -149,9 +149,9 @@ class Aggregator:
         if failure is not None:
             stage, rows_left, text = failure
             seen = "" if rows_left == n else f" on the {rows_left} rows left by the pre-aggregators"
+            who = stage.name if self.label == stage.name else f"{self.label}: {stage.name}"  # a bare rule once
             raise ValueError(
-                f"{self.label}: {stage.name} requires {text}{seen}, got n={n} with f={self.f}; "
-                f"this pipeline needs n >= {self.min_n()}"
+                f"{who} requires {text}{seen}, got n={n} with f={self.f}; this pipeline needs n >= {self.min_n()}"
             )
         row_weights = self._check_weights(weights, n, x.device)
         keys = self._check_clients(clients, n)

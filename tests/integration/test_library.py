@@ -467,8 +467,8 @@ def test_a_round_whose_replies_missed_the_deadline_says_so(tmp_path: Path, caplo
                               progress=False)
     with _server_identity(grid.run.run_id), pytest.raises(
         QuorumError, match=r"1 valid replies, median with f=1 needs at least 3\); 3 of 4 replies missed the "
-                           r"round's deadline \(round_deadline, else start\(\)'s timeout; fault.round_timeout in "
-                           r"fedrobust's run config; the first round's also covers the ClientApps' start-up"
+                           r"round's deadline \(round_deadline, else start\(\)'s timeout; the first round's also "
+                           r"covers the ClientApps' start-up"
     ):
         strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
 
@@ -630,7 +630,7 @@ def test_fewer_nodes_than_min_available_stop_before_training_with_what_to_do() -
     # The larger of the two settings is the one to lower, and it is the one named.
     strategy = RobustStrategy(num_byzantine=1, min_train_nodes=4, wait_for_nodes=0.5, progress=False)
     with pytest.raises(NoNodesError, match=r"^2 of the 4 nodes needed \(min_train_nodes\) connected within 0.5 s; "
-                                           r".* or need fewer \(min_train_nodes; "):
+                                           r".* or need fewer \(min_train_nodes\)$"):
         _start_on_honest_nodes(strategy, 2)
 
 
@@ -710,7 +710,9 @@ def test_a_checkpoint_of_a_version_that_did_not_record_the_train_config_resumes(
                for r in caplog.records)
 
 
-def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsigned() -> None:
+def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsigned(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """``num-examples`` as 96.0 is a count the server accepts: the mod signs it as the integer the server
     verifies. A count the server rejects anyway (2.5) goes unsigned rather than failing the ClientApp."""
     from experiments.inprocess import InProcessGrid, _server_identity
@@ -723,11 +725,15 @@ def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsign
     counts = {0: 96.0, 1: 40, 2: 2.5}
     mod = signing_mod(lambda context: keys[int(context.node_config["partition-id"])])
     grid = InProcessGrid(_echo_app(lambda partition: {"num-examples": counts[partition]}, [mod]), 3, seed=0)
-    strategy = RobustStrategy(aggregator="mean", signing=trust, require_signatures=True, progress=False)
+    strategy = RobustStrategy(aggregator="mean", signing=trust, require_signatures=True)
     with _server_identity(grid.run.run_id):
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=1)
     metrics = result.train_metrics_clientapp[1]
     assert metrics["accepted"] == 2 and metrics["rejected.missing_signature"] == 1, dict(metrics)
+    # The round's line says what an unsigned reply lacks, and where a node's key comes from.
+    assert re.search(r"^    rejected: node \d+: missing_signature \(no signature: the ClientApp needs signing_mod\(\), "
+                     r"and signing_mod a key for the node \(the node config's signing-key, or a key or "
+                     r"key_for\(context\) passed to signing_mod\)\)$", capsys.readouterr().out, re.MULTILINE)
 
 
 def test_signing_mod_signs_the_records_a_strategy_with_other_keys_names() -> None:
@@ -884,7 +890,15 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"aggregator": "krun"}, "valid names"),
+        ({"aggregator": "krun"}, r"^unknown aggregation rule 'krun' \(did you mean 'krum'\?\); valid names: mean, "),
+        ({"aggregator": "Trimmed-Mean"}, r"^unknown aggregation rule 'Trimmed-Mean' \(did you mean 'trimmed_mean'\?\)"),
+        ({"aggregator": "median", "pre": ["nnmm"]}, r"^unknown pre-aggregator 'nnmm' \(did you mean 'nnm'\?\)"),
+        ({"aggregator": "trimmed_mean", "aggregator_params": {"trimm": 1}},
+         r"^trimmed_mean: unknown parameter\(s\) trimm \(did you mean 'trim'\?\); valid parameters: trim, chunk_size$"),
+        ({"aggregator": "xyz"}, r"^unknown aggregation rule 'xyz'; valid names"),  # nothing close: no guess
+        # FedAvg(0.5) is fraction_train=0.5.
+        ({"aggregator": 0.5}, r"^aggregator=0.5: RobustStrategy's first argument is the rule \(FedAvg's is "
+                              r"fraction_train\): pass fraction_train=0.5 by name$"),
         ({"num_byzantine": -1}, "num_byzantine"),
         ({"fraction_train": 1.5}, "fraction_train"),
         ({"server_optimizer": "sgd"}, "valid choices"),
@@ -1212,14 +1226,12 @@ def test_a_norm_bound_too_low_for_the_model_names_the_setting_that_moves_it() ->
     strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_update_norm=1e-6, max_round_retries=0,
                               progress=False)
     with pytest.raises(QuorumError, match=r"rejected 4: 4x norm_too_large \(L2 norm \S+ > bound 1e-06\) \(if these "
-                                          r"nodes are honest, raise the bound: max_update_norm, "
-                                          r"validation.max_update_norm in the run config\)"):
+                                          r"nodes are honest, raise the bound: max_update_norm\)\)$"):
         _start_on_honest_nodes(strategy, 4)
     strategy = RobustStrategy(aggregator="median", num_byzantine=1, max_num_examples=1, max_round_retries=0,
                               progress=False)
     with pytest.raises(QuorumError, match=r"4x bad_num_examples \(\d+ not an integer in \[1, 1\]\) \(if these "
-                                          r"nodes are honest, raise the bound: max_num_examples, "
-                                          r"validation.max_num_examples in the run config\)"):
+                                          r"nodes are honest, raise the bound: max_num_examples\)\)$"):
         _start_on_honest_nodes(strategy, 4)
 
 

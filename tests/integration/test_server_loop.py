@@ -236,3 +236,12 @@ def test_a_simulation_refuses_a_resume_before_ray_starts(tmp_path: Path, monkeyp
     with pytest.raises(CheckpointMismatchError, match=r"round-000002 \(round 2\) was saved with other settings: "
                                                       r"run.seed: 0 -> 3; seed: 0 -> 3\. Resume with"):
         simulation.simulate(changed, Path(changed.output_dir))
+
+
+def test_a_run_of_fedrobusts_apps_names_the_run_configs_keys_in_its_errors(tmp_path: Path) -> None:
+    """The same refusal names ``max_update_norm`` to a library user (test_library) and the run config's
+    ``validation.max_update_norm`` to a user of fedrobust's apps, who set it there."""
+    cfg = small_config(tmp_path, num_rounds=1, **{"validation.max_update_norm": 1e-6, "fault.max_round_retries": 0})
+    honest = r"\(if these nodes are honest, raise the bound: validation\.max_update_norm\)"
+    with pytest.raises(QuorumError, match=honest):
+        run_inprocess(cfg, Path(cfg.output_dir))

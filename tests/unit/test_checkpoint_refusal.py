@@ -32,9 +32,13 @@ def test_all_corrupt_checkpoints_stop_the_resume_with_each_reason(tmp_path: Path
     message = str(refused.value)
     assert "round-000002" in message and "round-000001" in message, message
     assert message.index("round-000002") < message.index("round-000001")  # newest first, as tried
-    assert "checkpoint.resume=never" in message
+    assert "Start fresh with resume='never': they are moved aside" in message  # as a library user writes it
     # Nothing was touched by the refusal.
     assert sorted(p.name for p in url.iterdir()) == ["round-000001", "round-000002"]
+    # A run of fedrobust's apps (its settings hold the run config) names the run config's key.
+    app_run = RoundCheckpointer(str(url), settings={"run": {"seed": 0}}, keep=3)
+    with pytest.raises(NoValidCheckpointError, match=r"Start fresh with checkpoint.resume=never: they are moved"):
+        app_run.restore()
 
 
 def test_a_fresh_start_moves_earlier_checkpoints_aside_and_never_deletes_them(tmp_path: Path) -> None:

@@ -50,7 +50,8 @@ def test_every_group_choice_composes_and_validates(group: str, choice: str) -> N
 
 
 def test_unknown_aggregator_names_valid_choices() -> None:
-    with pytest.raises(ValueError, match=r"aggregator\.name=kurm: unknown rule 'kurm'; valid choices: .*\bkrum\b"):
+    with pytest.raises(ValueError, match=r"aggregator\.name=kurm: unknown rule 'kurm' \(did you mean 'krum'\?\); "
+                                         r"valid choices: .*\bkrum\b"):
         validate(_compose("aggregator.name=kurm"))
 
 
@@ -75,7 +76,8 @@ def test_pipeline_stage_parameters_come_from_pre_params() -> None:
 
 
 def test_unknown_pipeline_stage_is_named() -> None:
-    with pytest.raises(ValueError, match=r"unknown pre-aggregator 'winsorise'; valid choices: .*\bwinsorize\b"):
+    with pytest.raises(ValueError, match=r"unknown pre-aggregator 'winsorise' \(did you mean 'winsorize'\?\); "
+                                         r"valid choices: .*\bwinsorize\b"):
         validate(_compose("aggregator.name=winsorise+nnm+trimmed_mean"))
 
 

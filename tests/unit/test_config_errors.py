@@ -55,7 +55,9 @@ WRONG: dict[str, Wrong] = {
     "clients_per_round": Wrong("25", "25", "must be in [1, num_clients=20]"),
     "num_rounds": Wrong("0", "0", "must be >= 1"),
     "seed": Wrong("-1", "-1", "must be >= 0"),
-    "aggregator.name": Wrong("krun", "krun", "unknown rule 'krun'; valid choices: a rule (bulyan, centered_clipping"),
+    "aggregator.name": Wrong(
+        "krun", "krun", "unknown rule 'krun' (did you mean 'krum'?); valid choices: a rule (bulyan, centered_clipping"
+    ),
     "aggregator._target_": Wrong("no_such_pkg.Rule", "no_such_pkg.Rule", "cannot import 'no_such_pkg.Rule'"),
     "aggregator.pre": Wrong(
         "nmm",
@@ -71,15 +73,18 @@ WRONG: dict[str, Wrong] = {
     ),
     "aggregator.root_size": Wrong("0", "0", "must be >= 1", ("aggregator=fltrust",)),
     "aggregator.device": Wrong("gpu", "gpu", "invalid device 'gpu'; valid: 'auto', 'cpu', 'cuda' or"),
-    "dataset.name": Wrong("mnsit", "mnsit", "unknown choice; valid choices: cifar10, digits, mnist"),
+    "dataset.name": Wrong(
+        "mnsit", "mnsit", "unknown choice (did you mean 'mnist'?); valid choices: cifar10, digits, mnist"
+    ),
     "dataset._target_": Wrong("no_such_pkg.load", "no_such_pkg.load", "cannot import 'no_such_pkg.load'"),
     "dataset.params": Wrong("{fraction:0.5}", '{"fraction": 0.5}', "dataset.name=digits takes no parameters"),
     "dataset.validation_fraction": Wrong("1.0", "1.0", "must be in [0, 1): the share of the training set held out"),
-    "partition.name": Wrong("dirichlett", "dirichlett", "unknown choice; valid choices: dirichlet, iid, pathological"),
+    "partition.name": Wrong("dirichlett", "dirichlett",
+                            "unknown choice (did you mean 'dirichlet'?); valid choices: dirichlet, iid, pathological"),
     "partition.alpha": Wrong("0.0", "0.0", "must be > 0", ("partition=dirichlet",)),
     "partition.classes_per_partition": Wrong("11", "11", "must be in [1, 10] (digits has 10 classes)",
                                              ("partition=pathological",)),
-    "model.name": Wrong("resnt", "resnt", "unknown choice; valid choices: cnn, mlp, resnet"),
+    "model.name": Wrong("resnt", "resnt", "unknown choice (did you mean 'resnet'?); valid choices: cnn, mlp, resnet"),
     "model._target_": Wrong("no_such_pkg.Net", "no_such_pkg.Net", "cannot import 'no_such_pkg.Net'"),
     "model.params": Wrong("{hidden:-1}", '{"hidden": -1}', "mlp cannot be built with them"),
     "server_optimizer.name": Wrong("sgd", "sgd", "unknown choice; valid choices: fedadam, fedavg, fedavgm, fedyogi"),
@@ -101,7 +106,7 @@ WRONG: dict[str, Wrong] = {
     "validation.max_update_norm": Wrong("-1.0", "-1.0", "must be >= 0 (0: no bound)"),
     "validation.max_num_examples": Wrong("0", "0", "must be >= 1"),
     "validation.weight_by_num_examples": Wrong("maybe", "maybe", "must be true or false"),
-    "attack.name": Wrong("sign_flp", "sign_flp", "unknown choice; valid choices: alie,"),
+    "attack.name": Wrong("sign_flp", "sign_flp", "unknown choice (did you mean 'sign_flip'?); valid choices: alie,"),
     "attack.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) 'bogus'; allowed: scale",
                            ("attack=sign_flip",)),
     "fault.round_timeout": Wrong("0.0", "0.0", "must be > 0"),

@@ -274,6 +274,7 @@ def test_reasons_are_exported_and_distinct() -> None:
         "missing_signature", "unknown_key", "key_bound_to_other_node", "bad_signature",
         "wrong_round_or_nonce", "duplicate_reply",
     }
+    assert set(signing.REASON_DETAILS) == set(signing.REASONS)  # each explained in a rejection's detail
 
 
 _DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int8", "uint8", "bool"]
