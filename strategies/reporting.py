@@ -166,7 +166,11 @@ def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
     if not often:
         return ""
     names = [f"{_node({'node': node, 'partition': partition})} {c}/{len(rows)}" for c, (node, partition) in often]
-    return "left out in most rounds: " + first_and_more(names, listed)
+    sampled = max((row.get("sampled") or row.get("accepted", 0) for row in rows), default=0)
+    # Krum keeps one row a round: then most nodes are left out, and the list says nothing about them.
+    by_design = (" (half of the sampled nodes or more: a rule that keeps few rows, as krum keeps one, leaves "
+                 "most out by design)") if sampled and 2 * len(often) >= sampled else ""
+    return "left out in most rounds: " + first_and_more(names, listed) + by_design
 
 
 def summary_text(rows: list[dict[str, Any]], seconds: float, first_round: int = 1, notes: Sequence[str] = ()) -> str:

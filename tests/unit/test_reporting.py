@@ -113,6 +113,13 @@ def test_the_summary_names_the_nodes_left_out_in_most_rounds() -> None:
     assert left_out_most(rows, listed=1).endswith("3/3 and 1 more")
     assert left_out_most(rows[2:] + [row(4, [], [])]) == ""  # once in two rounds is not most
     assert "left out" not in summary_text([row(1, [], [])], 1.0)
+    # Krum keeps one of 4 sampled rows: 3 nodes left out every round, by design.
+    krum = [{**row(r, [], [101, 102, 103]), "sampled": 4} for r in (1, 2)]
+    assert left_out_most(krum) == (
+        "left out in most rounds: node 101 (partition 1) 2/2, node 102 (partition 2) 2/2, node 103 (partition 3) "
+        "2/2 (half of the sampled nodes or more: a rule that keeps few rows, as krum keeps one, leaves most out by "
+        "design)"
+    )
 
 
 def test_the_progress_line_and_summary_show_the_federated_evaluation_and_the_dead_nodes() -> None:
