@@ -11,7 +11,8 @@ from experiments import bench_server_path
     ("argv", "message"),
     [
         (["--flower", "FedAvg"], "--flower: unknown entry 'FedAvg'; valid: flower_fedavg, flower_trimmed_mean"),
-        (["--rules", "trimmed_men"], "unknown aggregation rule 'trimmed_men'; valid names: mean, median"),
+        (["--rules", "trimmed_men"],
+         "unknown aggregation rule 'trimmed_men' (did you mean 'trimmed_mean'?); valid names: mean, "),
     ],
 )
 def test_an_unknown_entry_names_the_valid_ones(argv: list[str], message: str) -> None:
