@@ -165,18 +165,19 @@ def plot_curves(cells: dict, partition: str, rules: list[str], attacks: list[str
                     by_round[row["round"]].append(_acc(row))
             rounds = sorted(by_round)
             mean = [statistics.fmean(by_round[t]) for t in rounds]
-            lowest = min([lowest, *mean[2:]])  # after the first rounds, where every run starts low
+            lowest = min([lowest, *(mean[2:] or mean)])  # after the first rounds, where every run starts low
             ax.plot(rounds, mean, label=rule, **styles[rule])
             if len(cell.ok) > 1:
                 ax.fill_between(
                     rounds, [min(by_round[t]) for t in rounds], [max(by_round[t]) for t in rounds],
                     color=styles[rule]["color"], alpha=0.08, linewidth=0,
                 )
+        # A cell with runs but no usable one: every run stopped (no quorum) or failed with an error.
         missing = [r for r in rules if (c := cells.get((partition, r, attack))) is not None and not c.ok]
         title = f"attack: {attack}"
         ax.set_title(title, fontsize=12)
         if missing:
-            ax.text(0.98, 0.03, "no quorum: " + ", ".join(missing), transform=ax.transAxes, ha="right",
+            ax.text(0.98, 0.03, "no result: " + ", ".join(missing), transform=ax.transAxes, ha="right",
                     va="bottom", fontsize=9, color="firebrick")
         ax.grid(True, alpha=0.3)
         ax.tick_params(labelsize=10)
@@ -195,7 +196,8 @@ def plot_curves(cells: dict, partition: str, rules: list[str], attacks: list[str
         h, lab = ax.get_legend_handles_labels()
         if len(lab) > len(labels):
             handles, labels = h, lab
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=11, frameon=False)
+    if labels:  # none when no run of the partition has a result
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 9), fontsize=11, frameon=False)
     fig.suptitle(f"Test accuracy per round, {PARTITION_TITLES.get(partition, partition)} partition "
                  "(mean over seeds; band: min..max)", fontsize=14)
     fig.tight_layout(rect=(0, 0.06, 1, 0.97))
@@ -286,6 +288,17 @@ def _code_text(code: str) -> str:
     if not code:
         return "not recorded"
     return code[:10] + (" with uncommitted changes" if code.endswith("+dirty") else "")
+
+
+def _set_for_every_run(result: dict[str, Any]) -> list[str]:
+    """A bullet naming the study's ``--set`` overrides (stored after the study's own in each run's
+    overrides), which take precedence over the settings the bullet before names; none without any."""
+    overrides = list(result.get("overrides", []))
+    own_last = "liveness.quarantine_after=0"
+    extra = overrides[overrides.index(own_last) + 1:] if own_last in overrides else []
+    if not extra:
+        return []
+    return [f"* Set for every run (`--set`), over the settings above: {', '.join(f'`{e}`' for e in extra)}."]
 
 
 def _clients(results: list[dict[str, Any]]) -> str:
@@ -421,8 +434,9 @@ def write_report(
         "(finite, L2 norm <= 100, same shapes); divergence guard on; quarantine off "
         "(`liveness.quarantine_after=0`, so every round has all clients and Bulyan's n >= 4f+3 holds "
         "unless validation rejects replies).",
-        "* `attack=none` keeps `num_byzantine=4`: the rules are configured identically with and without an "
-        "attack; the 4 \"Byzantine\" clients then behave honestly.",
+        *_set_for_every_run(first),
+        f"* `attack=none` keeps `num_byzantine={first['num_byzantine']}`: the rules are configured identically "
+        f"with and without an attack; the {first['num_byzantine']} \"Byzantine\" clients then behave honestly.",
         "* Invocations of the command (a later one runs only the results that are missing): "
         + "; ".join(
             f"{i.get('runs')} runs in {i.get('wall_seconds', 0):.0f} s ({i.get('wall_seconds', 0) / 60:.1f} min) "
@@ -548,16 +562,9 @@ def write_report(
         ]
 
     # ---------------------------------------------------------------- validation, failures
-    lines += [
-        "## What validation caught, and runs that stopped",
-        "",
-        "Replies rejected per round by reason (mean over all rules, seeds and rounds) and rollbacks of the "
-        "divergence guard, for the attacks that had any:",
-        "",
-        "| partition | attack | rejected per round | guard rollbacks (all runs) |",
-        "|---|---|---|---|",
-    ]
-    quiet = []
+    lines += ["## What validation caught, and runs that stopped", ""]
+    quiet: list[str] = []
+    table_rows: list[str] = []
     for partition in partitions:
         for attack in attacks:
             merged = Cell([r for (p, _, a), c in cells.items() if p == partition and a == attack for r in c.runs])
@@ -566,7 +573,16 @@ def write_report(
                 quiet.append(f"{PARTITION_TITLES.get(partition, partition)} {attack}")
                 continue
             text = ", ".join(f"{k} {v:.2f}" for k, v in rejected.items()) or "none"
-            lines.append(f"| {PARTITION_TITLES.get(partition, partition)} | {attack} | {text} | {rollbacks} |")
+            table_rows.append(f"| {PARTITION_TITLES.get(partition, partition)} | {attack} | {text} | {rollbacks} |")
+    if table_rows:  # a table only where there is a row
+        lines += [
+            "Replies rejected per round by reason (mean over all rules, seeds and rounds) and rollbacks of the "
+            "divergence guard, for the attacks that had any:",
+            "",
+            "| partition | attack | rejected per round | guard rollbacks (all runs) |",
+            "|---|---|---|---|",
+            *table_rows,
+        ]
     if quiet:
         lines += ["", f"No reply rejected and no rollback: {', '.join(quiet)}."]
     failed = [(key, c) for key, c in sorted(cells.items()) if c.failed]

@@ -141,6 +141,11 @@ def _aggregator_files() -> dict[str, str]:
     }
 
 
+def is_user_rule(stage: str) -> bool:
+    """A rule of the user's own, given as its dotted path (``my_pkg.rules.MyRule`` or ``my_pkg.rules:MyRule``)."""
+    return "." in stage or ":" in stage
+
+
 def pipeline_of(rule: str) -> str:
     """``aggregator.name`` for the study's ``rule``: pre-aggregators joined by ``+`` with a rule's file.
 
@@ -149,6 +154,8 @@ def pipeline_of(rule: str) -> str:
     pipeline ``nnm+krum``), its name stands in for the stage.
     """
     *pre, last = rule.split("+")
+    if is_user_rule(last):
+        return rule  # its import and contract are checked when the runs' configs are composed
     files = _aggregator_files()
     if last not in files:
         raise ValueError(
@@ -178,9 +185,17 @@ def overrides_for(
 
     ``extra`` overrides (e.g. ``attack.params.scale=4``) come last and so win.
     """
+    *pre, last = spec.rule.split("+")
+    if is_user_rule(last):  # the user's rule by its _target_, its pre-aggregators listed in aggregator.pre
+        rule = ["aggregator=mean", f"aggregator._target_={last}"]
+        rule += [f"aggregator.pre={','.join(pre)!r}"] if pre else []
+    else:
+        rule = [
+            f"aggregator={last}",  # the rule's group file: its parameters
+            f"aggregator.name={pipeline_of(spec.rule)!r}",  # the whole pipeline, which tuned attacks then see
+        ]
     overrides = [
-        f"aggregator={spec.rule.split('+')[-1]}",  # the rule's group file: its parameters
-        f"aggregator.name={pipeline_of(spec.rule)!r}",  # the whole pipeline, which tuned attacks then see
+        *rule,
         f"attack={attack_choice(spec.attack)}",
         f"partition={spec.partition}",
     ]
@@ -352,7 +367,7 @@ def _summary(result: dict[str, Any]) -> str:
     acc = f"acc {rows[-1]['accuracy']:.3f}" if rows else "no round"
     if rows and isinstance(rows[-1].get("backdoor_asr"), int | float):
         acc += f" backdoor ASR {rows[-1]['backdoor_asr']:.3f}"
-    status = "" if result["status"] == OK else f"  [{result['status']}: {result['error'].splitlines()[0][:90]}]"
+    status = "" if result["status"] == OK else f"  [{result['status']}: {result['error'].splitlines()[0][:160]}]"
     return f"{acc} in {result['seconds']:.1f} s{status}"
 
 
@@ -489,8 +504,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Robust rules x attacks x partitions x seeds on digits, in-process, in parallel and resumable.",
     )
     parser.add_argument("--rules", nargs="+", default=list(RULES),
-                        help="aggregation rules, each a conf/aggregator file (centered_clipping_auto) with "
-                             "pre-aggregators in front: 'nnm+<rule>' (default: %(default)s)")
+                        help="aggregation rules, each a conf/aggregator file (centered_clipping_auto) or a rule of "
+                             "your own by its dotted path (my_pkg.rules.MyRule), with pre-aggregators in front: "
+                             "'nnm+<rule>' (default: %(default)s)")
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS),
                         help="attacks: their names, or their files in conf/attack (nan_fill is the study's nan; "
                              "default: %(default)s)")
@@ -520,9 +536,17 @@ def extra_problems(extra: Sequence[str], partitions: Sequence[str] = DEFAULT_PAR
     from experiments.run import override_problems, unused_settings
 
     problems = override_problems(extra)
+    # --rules sets the rule of each run: the same override for all would run one rule under every name.
+    taken = [e for e in extra if e.lstrip("+~").split("=", 1)[0] in _SET_BY_RULES]
+    problems += [f"{e}: --rules sets the aggregator of each run; a rule of your own is one of them by its dotted "
+                 "path, e.g. --rules my_pkg.rules.MyRule 'nnm+my_pkg.rules.MyRule' (its parameters: --set "
+                 "+aggregator.params.<name>=...)" for e in taken]
     wrong = {line.split("=", 1)[0] for line in problems}
     unused = unused_settings([[*extra, f"partition={p}"] for p in partitions])
     return [f"--set {line}" for line in problems + [u for u in unused if u.split("=", 1)[0] not in wrong]]
+
+
+_SET_BY_RULES = frozenset({"aggregator", "aggregator.name", "aggregator._target_", "aggregator.pre"})
 
 
 def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]:
@@ -552,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit_invalid("invalid arguments", problems)
     _worker_init()
     try:
-        run_study(
+        results = run_study(
             rules=args.rules,
             attacks=args.attacks,
             partitions=args.partitions,
@@ -574,6 +598,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     except HydraException as err:  # an override Hydra cannot apply, e.g. a new key without its '+'
         said = " ".join(line.strip() for line in str(err).splitlines()[:2])  # Hydra's hint is on its second line
         _exit_invalid("invalid configuration", [f"--set {' '.join(args.extra)}: {said}"])
+    _exit_if_failed(results, args.out)
+
+
+def _exit_if_failed(results: Sequence[dict[str, Any]], out: Path) -> None:
+    """Exit 1, naming them, when runs failed with an error (a rule that raised, a bug): their results are not
+    results. Runs that stopped for want of quorum are outcomes of the study and count as done."""
+    failed = [r for r in results if r.get("status") == ERROR]
+    if not failed:
+        return
+    print(f"experiments.study: {len(failed)} of {len(results)} runs failed with an error (the traceback is in "
+          f"each one's result file in {out}; the same command runs them again):", file=sys.stderr)
+    for result in failed[:10]:
+        key = RunSpec(partition=result["partition"], rule=result["rule"], attack=result["attack"], seed=result["seed"])
+        print(f"  {key.key}: {result['error'].splitlines()[0]}", file=sys.stderr)
+    if len(failed) > 10:
+        print(f"  and {len(failed) - 10} more", file=sys.stderr)
+    sys.exit(1)
 
 
 def _exit_invalid(what: str, problems: Sequence[str], prog: str = "experiments.study") -> NoReturn:
