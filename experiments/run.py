@@ -77,7 +77,11 @@ def _exit_invalid(problems: Sequence[str]) -> NoReturn:
 
 
 def _exit_failed(error: Exception) -> NoReturn:
-    print(f"fedrobust: run failed: {' '.join(str(error).split())}", file=sys.stderr)
+    from fedrobust.strategies.errors import AggregationError  # imported by the run already
+
+    # A rule that raised: the bug is in its code, and the traceback shows where.
+    where = " (HYDRA_FULL_ERROR=1 shows the traceback)" if isinstance(error, AggregationError) else ""
+    print(f"fedrobust: run failed: {' '.join(str(error).split())}{where}", file=sys.stderr)
     sys.exit(EXIT_FAILED)
 
 

@@ -680,7 +680,7 @@ def user_rule(target: str | Callable[..., Any], f: int, params: Mapping[str, Any
     kwargs = dict(params)
     if _accepts(factory, "f"):
         kwargs["f"] = f
-    impl = _call(factory, kwargs, RULE_PROTOCOL)
+    impl = _call(factory, kwargs, RULE_PROTOCOL, name_the_call=True)
     if isinstance(impl, Rule):
         return impl
     if not callable(impl):

@@ -1051,6 +1051,23 @@ def test_the_start_line_shows_the_server_step_and_how_checkpoints_are_kept(tmp_p
     assert "server-opt=fedavgm(lr=1, momentum=0.9, schedule test_the_start_line_shows_" in by_time
     assert by_time.endswith("(every 60 s, after the last round, keep 3)")
 
+def test_a_rule_whose_constructor_raises_is_named_with_the_call() -> None:
+    """A wrong parameter value reaches the user's own constructor: the error shows the call, f included."""
+
+    class ClippedMean:
+        def __init__(self, f: int, tau: float = 1.0) -> None:
+            if tau <= 0:
+                raise ValueError(f"tau must be > 0, got {tau}")
+            self.f, self.tau = f, tau
+
+        def __call__(self, updates: torch.Tensor) -> torch.Tensor:
+            return updates.mean(dim=0)
+
+    with pytest.raises(ValueError, match=r"ClippedMean\(tau='abc', f=1\) raised TypeError: '<=' not supported"):
+        RobustStrategy(aggregator=ClippedMean, num_byzantine=1, aggregator_params={"tau": "abc"}, progress=False)
+    with pytest.raises(ValueError, match=r"ClippedMean\(tau=-1, f=1\) raised ValueError: tau must be > 0, got -1$"):
+        RobustStrategy(aggregator=ClippedMean, num_byzantine=1, aggregator_params={"tau": -1}, progress=False)
+
 def test_a_plain_function_or_a_built_object_is_the_rule_itself() -> None:
     """What a user coming from Flower writes first: ``def rule(updates)`` or ``MyRule(f=1)``, not a factory."""
 
