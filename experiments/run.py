@@ -44,6 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 # Only the config module here (no torch): a mistyped override fails in well under a second.
 from fedrobust.config import ConfigError, RunConfig, coerce, format_value, from_nested, storage_place
+from fedrobust.text import did_you_mean
 
 if TYPE_CHECKING:
     from fedrobust.strategies.errors import Preempted
@@ -259,7 +260,8 @@ def override_problems(args: Sequence[str], dirs: Sequence[Path] | None = None) -
             continue
         if is_group and isinstance(value, str):
             if names is not None and value not in names and "${" not in value:  # Hydra's answer: some 30 lines
-                problems.append(f"{key}={format_value(value)}: unknown choice; valid choices in {key}: "
+                problems.append(f"{key}={format_value(value)}: unknown choice{did_you_mean(value, names)}; "
+                                f"valid choices in {key}: "
                                 f"{', '.join(names)}")
             continue
         if dataclasses.is_dataclass(hint) and isinstance(value, dict):

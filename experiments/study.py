@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fedrobust.config import ConfigError, RunConfig
+from fedrobust.text import did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,8 @@ def pipeline_of(rule: str) -> str:
     files = _aggregator_files()
     if last not in files:
         raise ValueError(
-            f"rule {rule!r}: its last stage {last!r} names no file of conf/aggregator; choices: {', '.join(files)}"
+            f"rule {rule!r}: its last stage {last!r}{did_you_mean(last, files)} names no file of conf/aggregator "
+            f"(or a rule of your own by its dotted path, my_pkg.rules.MyRule); choices: {', '.join(files)}"
         )
     return "+".join([*pre, files[last]])
 
@@ -168,7 +170,8 @@ def attack_choice(attack: str) -> str:
     """The Hydra choice (``attack=<this>``) that selects the attack registered as ``attack``."""
     files = _attack_files()
     if attack not in files:
-        raise ValueError(f"no config in conf/attack for attack {attack!r}; configured attacks: {sorted(files)}")
+        raise ValueError(f"no config in conf/attack for attack {attack!r}{did_you_mean(attack, files)}; configured "
+                         f"attacks: {sorted(files)}")
     return files[attack]
 
 

@@ -464,8 +464,9 @@ def test_a_sweep_with_an_invalid_job_starts_none_and_names_each_bad_job(
                     f"hydra.sweep.dir={tmp_path}"], monkeypatch, real_hydra=True)
     assert outcome.code == 2 and "Traceback" not in outcome.stderr, outcome
     problems = [line.strip() for line in outcome.stderr.splitlines()[1:]]
-    assert problems[0] == "job 1 (num_byzantine=1 aggregator=krumm): aggregator=krumm: unknown choice; valid " \
-        "choices in aggregator: " + ", ".join(sorted(p.stem for p in (ROOT / "conf" / "aggregator").glob("*.yaml")))
+    files = sorted(p.stem for p in (ROOT / "conf" / "aggregator").glob("*.yaml"))
+    assert problems[0] == "job 1 (num_byzantine=1 aggregator=krumm): aggregator=krumm: unknown choice (did you " \
+        "mean 'krum'?); valid choices in aggregator: " + ", ".join(files)
     assert [p.split(":")[0] for p in problems[1:]] == [
         "job 2 (num_byzantine=-1 aggregator=median)", "job 3 (num_byzantine=-1 aggregator=krumm)",
         "job 5 (num_byzantine=2 aggregator=krumm)", "no job of the sweep was started"]
@@ -750,7 +751,9 @@ def test_a_misspelled_group_choice_names_the_choices(override: str, monkeypatch:
     monkeypatch.setattr(run, "main", composed)
     group = override.split("=")[0]
     outcome = _cli([override], monkeypatch)
-    _assert_one_problem(outcome, f"{override}: ", f"unknown choice; valid choices in {group}: ")
+    meant = {"aggregator": "krum", "attack": "sign_flip", "partition": "dirichlet", "model": "cnn"}[group]
+    _assert_one_problem(outcome, f"{override}: ",
+                        f"unknown choice (did you mean {meant!r}?); valid choices in {group}: ")
     choices = outcome.stderr.split(f"valid choices in {group}: ")[1].split(", ")
     assert [c.strip() for c in choices] == sorted(p.stem for p in (run.CONF_DIR / group).glob("*.yaml"))
 

@@ -10,7 +10,8 @@ from experiments import attack_reach, report, worst_case
 @pytest.mark.parametrize(("main", "argv", "message"), [
     (worst_case.main, ["{missing}"], "no such results directory: {missing}"),
     (report.main, ["--results", "{missing}", "--docs", "{tmp}/docs"], "no such results directory: --results {missing}"),
-    (attack_reach.main, ["--attack", "min_maxx"], "no config in conf/attack for attack 'min_maxx'; configured"),
+    (attack_reach.main, ["--attack", "min_maxx"],
+     "no config in conf/attack for attack 'min_maxx' (did you mean 'min_max'?); configured"),
 ])
 def test_a_tool_given_nothing_it_can_use_says_so(main, argv, message, tmp_path, capsys) -> None:
     missing = tmp_path / "no_such_sweep"

@@ -27,9 +27,10 @@ def test_unknown_rules_and_attacks_are_refused_with_the_choices(tmp_path, capsys
                     "--partitions", "iid", "--seeds", "0", "--out", str(tmp_path / "out")])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
-    assert "--rules: rule 'mean+krumm': its last stage 'krumm' names no file of conf/aggregator; choices:" in err
+    assert "--rules: rule 'mean+krumm': its last stage 'krumm' (did you mean 'krum'?) names no file of " \
+           "conf/aggregator (or a rule of your own by its dotted path, my_pkg.rules.MyRule); choices:" in err
     assert "centered_clipping_auto" in err and "trimmed_mean" in err
-    assert "--attacks: no config in conf/attack for attack 'sign_flipp'" in err and "'sign_flip'" in err
+    assert "--attacks: no config in conf/attack for attack 'sign_flipp' (did you mean 'sign_flip'?)" in err
     assert not (tmp_path / "out").exists()  # nothing ran, nothing written
 
 
