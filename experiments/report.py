@@ -117,13 +117,29 @@ def _pts(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{100 * x:+.1f}"
 
 
+def _count(n: int, word: str) -> str:
+    """``1 seed``, ``3 seeds``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _on_two_cores(cpu_seconds: float) -> str:
+    """How long the runs' CPU time takes on the 2 idle cores the figures were taken on."""
+    wall = cpu_seconds / 2
+    return f"{wall / 60:.0f} min on 2 idle cores" if wall >= 60 else f"{wall:.0f} s on 2 idle cores"
+
+
+def _spread(cell: Cell) -> str:
+    """`` ± 0.004`` over the seeds; with one seed there is no spread to give, and the text says so."""
+    return f" ± {cell.std:.3f}" if len(cell.finals) > 1 else " (1 seed)"
+
+
 def _cell_text(cell: Cell | None) -> str:
     if cell is None or not cell.runs:
         return "–"
     if not cell.ok:
         reasons = {r["status"] for r in cell.runs}
         return "no quorum" if reasons == {QUORUM} else "failed"
-    text = f"{cell.mean:.3f} ± {cell.std:.3f} ({cell.worst:.2f})"
+    text = f"{cell.mean:.3f}{_spread(cell)} ({cell.worst:.2f})"
     if cell.failed:
         text += f" [{len(cell.failed)}/{len(cell.runs)} failed]"
     return text
@@ -334,7 +350,7 @@ def _extra_section(extra_dir: Path, main_cells: dict) -> list[str]:
     attacks = _ordered({r["attack"] for r in results}, ATTACKS)
     for partition in partitions:
         clean = _clean(main_cells, partition)
-        ref = f"; clean FedAvg of the main study: {clean.mean:.3f} ± {clean.std:.3f}" if clean else ""
+        ref = f"; clean FedAvg of the main study: {clean.mean:.3f}{_spread(clean)}" if clean else ""
         lines += [f"**{PARTITION_TITLES.get(partition, partition)}**{ref}", "",
                   *_table_lines(cells, partition, rules, attacks), ""]
     return lines
@@ -425,8 +441,9 @@ def write_report(
         report_command or "python -m experiments.report ...",
         "```",
         "",
-        f"* {len(results)} runs: {len(rules)} rules x {len(attacks)} attacks x {len(partitions)} partitions "
-        f"({', '.join(_partition_label(p, first['alpha']) for p in partitions)}) x {len(seeds)} seeds "
+        f"* {_count(len(results), 'run')}: {_count(len(rules), 'rule')} x {_count(len(attacks), 'attack')} x "
+        f"{_count(len(partitions), 'partition')} "
+        f"({', '.join(_partition_label(p, first['alpha']) for p in partitions)}) x {_count(len(seeds), 'seed')} "
         f"({', '.join(map(str, seeds))}).",
         f"* Each run: digits (scikit-learn, 8x8), MLP 64-64-10, {first['num_clients']} clients, all of them in "
         f"every round, f = num_byzantine = {first['num_byzantine']}, {num_rounds} rounds, FedAvg server step "
@@ -440,13 +457,14 @@ def write_report(
         "* Invocations of the command (a later one runs only the results that are missing): "
         + "; ".join(
             f"{i.get('runs')} runs in {i.get('wall_seconds', 0):.0f} s ({i.get('wall_seconds', 0) / 60:.1f} min) "
-            f"with {i.get('jobs')} jobs on {i.get('cpu_count')} cores, finished {i.get('finished_at', '?')}, "
+            f"with {_count(i.get('jobs', 0), 'job')} on {i.get('cpu_count')} cores, finished "
+            f"{i.get('finished_at', '?')}, "
             f"code {_code_text(i.get('code', ''))}"
             for i in invocations
         )
         + (". " if invocations else "none recorded. ")
         + f"Median run {statistics.median(run_seconds):.1f} s wall, {statistics.median(run_cpu):.1f} s CPU. "
-        f"The runs' CPU time adds up to {sum(run_cpu):.0f} s ({sum(run_cpu) / 120:.0f} min on 2 idle cores); "
+        f"The runs' CPU time adds up to {sum(run_cpu):.0f} s ({_on_two_cores(sum(run_cpu))}); "
         "where the wall time is much longer, the machine was busy with other work. "
         "The runs use the in-process transport of "
         "`experiments/inprocess.py` (the production server and ClientApp code without Ray's start-up); each "
@@ -482,7 +500,7 @@ def write_report(
             lines += [f"**{title}**: no clean FedAvg run (mean, none) - no reference.", ""]
             continue
         lines += [
-            f"**{title}** - clean FedAvg (mean, no attack): **{clean.mean:.3f} ± {clean.std:.3f}**; "
+            f"**{title}** - clean FedAvg (mean, no attack): **{clean.mean:.3f}{_spread(clean)}**; "
             f"target: best robust configuration within {100 * gap_allowed:.0f} points.",
             "",
             "| attack | best robust rule | its final accuracy | vs clean (points; negative: below) | target "
@@ -503,12 +521,12 @@ def write_report(
             gap = clean.mean - top.mean
             met = gap <= gap_allowed + 1e-12
             lines.append(
-                f"| {attack} | {rule} | {top.mean:.3f} ± {top.std:.3f} ({top.worst:.2f}) | {_pts(-gap)} | "
+                f"| {attack} | {rule} | {top.mean:.3f}{_spread(top)} ({top.worst:.2f}) | {_pts(-gap)} | "
                 f"{'met' if met else '**missed**'} | {mean_text} |"
             )
             if not met:
                 misses.append(
-                    f"{title}, {attack}: the best robust rule, {rule}, reaches {top.mean:.3f} ± {top.std:.3f}, "
+                    f"{title}, {attack}: the best robust rule, {rule}, reaches {top.mean:.3f}{_spread(top)}, "
                     f"{100 * gap:.1f} points below clean FedAvg ({clean.mean:.3f}); allowed {100 * gap_allowed:.0f}."
                 )
         lines.append("")
@@ -530,12 +548,12 @@ def write_report(
                 caught = ", ".join(f"{v:.1f} replies/round as {k}" for k, v in rejected.items())
                 why = f" - validation rejected {caught} before aggregation"
             hurt_lines.append(
-                f"  * {attack}: {cell.mean:.3f} ± {cell.std:.3f}, {100 * drop:.1f} points below clean - "
+                f"  * {attack}: {cell.mean:.3f}{_spread(cell)}, {100 * drop:.1f} points below clean - "
                 + ("visibly hurt" if hurt else f"**not visibly hurt** (< {100 * HURT_GAP:.0f} points){why}")
             )
             if not hurt:
                 misses.append(
-                    f"{title}, plain mean under {attack}: {cell.mean:.3f} ± {cell.std:.3f}, only {100 * drop:.1f} "
+                    f"{title}, plain mean under {attack}: {cell.mean:.3f}{_spread(cell)}, only {100 * drop:.1f} "
                     f"points below clean FedAvg ({clean.mean:.3f}){why}."
                 )
         if hurt_lines:
