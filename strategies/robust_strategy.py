@@ -1084,8 +1084,10 @@ class RobustStrategy(Strategy):
         signatures = "required" if self.signatures.require else ("checked" if self.signatures.trust else "off")
         evaluation = (f"fraction_evaluate={self.fraction_evaluate:g}" if self.fraction_evaluate
                       else "federated evaluation off (fraction_evaluate=0)")
+        params = self._rule_spec[2]
+        shown = f" {', '.join(f'{k}={v!r}' for k, v in sorted(params.items()))}" if params else ""
         return (
-            f"RobustStrategy: rule={self.aggregator.label} f={self.num_byzantine} "
+            f"RobustStrategy: rule={self.aggregator.label}{shown} f={self.num_byzantine} "
             f"fraction_train={self.fraction_train:g} min_train_nodes={self.min_train_nodes} {evaluation} "
             f"server-opt={self._optimizer_text()} max-norm={self.max_update_norm} "
             f"signatures={signatures} checkpoints={self._checkpoint_text()}"

@@ -1035,6 +1035,8 @@ def test_checkpoint_settings_without_a_checkpoint_dir_are_said_once(
 
 def test_the_start_line_shows_the_server_step_and_how_checkpoints_are_kept(tmp_path: Path) -> None:
     plain_run = RobustStrategy(num_byzantine=1, progress=False).describe()
+    trim = RobustStrategy(aggregator="trimmed_mean", num_byzantine=1, aggregator_params={"trim": 2}, progress=False)
+    assert trim.describe().startswith("RobustStrategy: rule=trimmed_mean trim=2 f=1 ")
     assert "server-opt=fedavg(lr=1) " in plain_run and plain_run.endswith("checkpoints=off")
     adam = RobustStrategy(
         num_byzantine=1, server_optimizer="fedadam", server_lr=0.1, server_lr_schedule="cosine",
