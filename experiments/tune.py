@@ -212,6 +212,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--partitions", nargs="+", default=list(study.DEFAULT_PARTITIONS), choices=study.PARTITIONS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--rounds", type=int, default=study.DEFAULT_ROUNDS)
+    parser.add_argument("--clients", type=int, default=study.DEFAULT_CLIENTS,
+                        help="clients, all in every round (default: %(default)s)")
+    parser.add_argument("--byzantine", type=int, default=study.DEFAULT_BYZANTINE,
+                        help="f, the Byzantine clients (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="results directory (existing results are kept)")
     parser.add_argument("--report-only", action="store_true", help="run nothing; select from the results in --out")
@@ -264,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             run_setting(
                 name, overrides, rule=args.rule, out=args.out, validation_fraction=args.validation_fraction,
                 clean=name in with_clean, partitions=args.partitions, seeds=args.seeds, rounds=args.rounds,
-                jobs=args.jobs, command=command,
+                num_clients=args.clients, num_byzantine=args.byzantine, jobs=args.jobs, command=command,
             )
     text = report(args.out, settings, args.rule, args.seeds)
     (args.out / "selection.md").write_text(text + "\n")
