@@ -18,9 +18,8 @@ def did_you_mean(name: object, valid: Iterable[str]) -> str:
     when no valid name is close. For messages that list the valid names after it."""
     if not isinstance(name, str):
         return ""
-    choices = list(valid)
-    normal = {c.lower().replace("-", "_"): c for c in choices}
+    normal = {c.lower().replace("-", "_"): c for c in valid}  # 'Krum' and 'trimmed-mean' are exact matches
     typed = name.strip().lower().replace("-", "_").replace(" ", "_")
-    close = [normal[typed]] if typed in normal else difflib.get_close_matches(typed, list(normal), n=1, cutoff=0.75)
-    match = normal.get(close[0], close[0]) if close else None
+    close = [typed] if typed in normal else difflib.get_close_matches(typed, list(normal), n=1, cutoff=0.75)
+    match = normal[close[0]] if close else None
     return f" (did you mean {match!r}?)" if match is not None and match != name else ""

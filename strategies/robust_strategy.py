@@ -1094,7 +1094,7 @@ class RobustStrategy(Strategy):
         )
 
     def _optimizer_text(self) -> str:
-        """``fedadam(lr=0.1, beta_1=0.9, beta_2=0.99, tau=0.001, cosine to 0.1)``: what the server step reads."""
+        """``fedadam(lr=0.1, beta_1=0.9, beta_2=0.99, tau=0.001, cosine to 0.1 x lr)``: what the server step reads."""
         opt = self.optimizer
         parts = [f"lr={opt.lr:g}", *(f"{name}={getattr(opt, name):g}" for name in SERVER_OPTIMIZER_PARAMS[opt.name])]
         if callable(self.server_lr_schedule):

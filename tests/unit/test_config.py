@@ -206,3 +206,15 @@ def test_a_local_checkpoint_mirror_is_checked_as_the_directory_is(tmp_path: Path
     assert config_problems(cfg) == [
         f"checkpoint.mirror={tmp_path / 'a_file' / 'm'}: must be a directory or URL ({tmp_path / 'a_file'} is a file)"
     ]
+
+
+def test_did_you_mean_names_the_closest_valid_name_or_nothing() -> None:
+    from fedrobust.text import did_you_mean
+
+    rules = ["mean", "median", "trimmed_mean", "krum", "multikrum"]
+    assert did_you_mean("Krum", rules) == " (did you mean 'krum'?)"  # case
+    assert did_you_mean("trimmed-mean", rules) == " (did you mean 'trimmed_mean'?)"  # dash for underscore
+    assert did_you_mean("trimed_mean", rules) == " (did you mean 'trimmed_mean'?)"  # a letter missing
+    assert did_you_mean("xyz", rules) == ""  # nothing close: no guess
+    assert did_you_mean("krum", rules) == ""  # valid already
+    assert did_you_mean(0.5, rules) == ""  # not a name
