@@ -168,8 +168,9 @@ def left_out_most(rows: list[dict[str, Any]], *, listed: int = 8) -> str:
     names = [f"{_node({'node': node, 'partition': partition})} {c}/{len(rows)}" for c, (node, partition) in often]
     sampled = max((row.get("sampled") or row.get("accepted", 0) for row in rows), default=0)
     # Krum keeps one row a round: then most nodes are left out, and the list says nothing about them.
-    by_design = (" (half of the sampled nodes or more: a rule that keeps few rows, as krum keeps one, leaves "
-                 "most out by design)") if sampled and 2 * len(often) >= sampled else ""
+    # More than half: more than any f a rule may assume, so not the attackers alone (Multi-Krum's f are not).
+    by_design = (" (more than half of the sampled nodes: a rule that keeps few rows, as krum keeps one, leaves "
+                 "most out by design)") if sampled and 2 * len(often) > sampled else ""
     return "left out in most rounds: " + first_and_more(names, listed) + by_design
 
 

@@ -117,9 +117,12 @@ def test_the_summary_names_the_nodes_left_out_in_most_rounds() -> None:
     krum = [{**row(r, [], [101, 102, 103]), "sampled": 4} for r in (1, 2)]
     assert left_out_most(krum) == (
         "left out in most rounds: node 101 (partition 1) 2/2, node 102 (partition 2) 2/2, node 103 (partition 3) "
-        "2/2 (half of the sampled nodes or more: a rule that keeps few rows, as krum keeps one, leaves most out by "
-        "design)"
+        "2/2 (more than half of the sampled nodes: a rule that keeps few rows, as krum keeps one, leaves most out "
+        "by design)"
     )
+    # Multi-Krum leaving out f = 2 of 4 (the attackers, as it should): no such note.
+    multikrum = [{**row(r, [], [101, 102]), "sampled": 4} for r in (1, 2)]
+    assert left_out_most(multikrum).endswith("node 102 (partition 2) 2/2")
 
 
 def test_the_progress_line_and_summary_show_the_federated_evaluation_and_the_dead_nodes() -> None:
