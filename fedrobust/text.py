@@ -14,12 +14,30 @@ def first_and_more(items: Sequence[object], shown: int = 3) -> str:
 
 
 def did_you_mean(name: object, valid: Iterable[str]) -> str:
-    """``" (did you mean 'krum'?)"`` for a misspelt name (``'Krum'``, ``'krumm'``, ``'trimmed-mean'``); empty
-    when no valid name is close. For messages that list the valid names after it."""
+    """``" (did you mean 'krum'?)"`` for a misspelt name (``'Krum'``, ``'krumm'``, ``'trimmed-mean'``) or a
+    shortened one (``'geomedian'``, ``'tmean'``); empty when no valid name is close. For messages that list
+    the valid names after it."""
     if not isinstance(name, str):
         return ""
     normal = {c.lower().replace("-", "_"): c for c in valid}  # 'Krum' and 'trimmed-mean' are exact matches
     typed = name.strip().lower().replace("-", "_").replace(" ", "_")
-    close = [typed] if typed in normal else difflib.get_close_matches(typed, list(normal), n=1, cutoff=0.75)
+    if typed in normal:
+        close = [typed]
+    else:
+        # A name shortened part by part is meant more surely than one that merely looks alike: by spelling
+        # alone 'geomedian' is nearer 'median' than 'geometric_median'.
+        short = [c for c in normal if _shortens(typed.replace("_", ""), c.split("_"))]
+        close = short if len(short) == 1 else difflib.get_close_matches(typed, list(normal), n=1, cutoff=0.75)
     match = normal[close[0]] if close else None
     return f" (did you mean {match!r}?)" if match is not None and match != name else ""
+
+
+def _shortens(typed: str, parts: list[str]) -> bool:
+    """Whether ``typed`` is a prefix of each of ``parts`` in turn, every part used: ``geomedian`` of
+    ``geometric``, ``median``; ``tmean`` of ``trimmed``, ``mean``."""
+    if not parts:
+        return not typed
+    head, rest = parts[0], parts[1:]
+    return any(
+        head[:k] == typed[:k] and _shortens(typed[k:], rest) for k in range(min(len(typed), len(head)), 0, -1)
+    )

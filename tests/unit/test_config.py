@@ -216,5 +216,10 @@ def test_did_you_mean_names_the_closest_valid_name_or_nothing() -> None:
     assert did_you_mean("trimmed-mean", rules) == " (did you mean 'trimmed_mean'?)"  # dash for underscore
     assert did_you_mean("trimed_mean", rules) == " (did you mean 'trimmed_mean'?)"  # a letter missing
     assert did_you_mean("xyz", rules) == ""  # nothing close: no guess
+    longer = [*rules, "geometric_median", "centered_clipping"]
+    assert did_you_mean("geomedian", longer) == " (did you mean 'geometric_median'?)"  # shortened, not 'median'
+    assert did_you_mean("tmean", longer) == " (did you mean 'trimmed_mean'?)"
+    assert did_you_mean("cclip", longer) == " (did you mean 'centered_clipping'?)"
+    assert did_you_mean("m", longer) == ""  # a prefix of several names: no guess
     assert did_you_mean("krum", rules) == ""  # valid already
     assert did_you_mean(0.5, rules) == ""  # not a name
