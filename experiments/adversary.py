@@ -60,7 +60,12 @@ def omniscient_hook(cfg: RunConfig, observe: CraftObserver | None = None) -> Upd
         generator = torch.Generator().manual_seed(derive_seed(cfg.seed, updates.round, -1))
         # The rows change only once the attack has returned (craft_round does not modify them).
         crafted = attack.craft_round(
-            rows, byzantine, updates.clients, generator=generator, server_update=updates.server_update
+            rows,
+            byzantine,
+            updates.clients,
+            generator=generator,
+            server_update=updates.server_update,
+            global_model=updates.global_model,
         )
         if observe is not None:
             observe(updates.round, rows[~byzantine], crafted)

@@ -127,6 +127,9 @@ class RoundUpdates:
     server_update : torch.Tensor or None
         The server's own update of the round (``[d]`` float32, in the rows' layout) that the rule
         will get, for rules that need one (FLTrust); None for the others. Not to be modified.
+    global_model : torch.Tensor or None
+        The global model the round's clients were sent: its floating arrays as one ``[d]`` float32
+        vector in the rows' layout (an update plus it is that client's local model). Not to be modified.
     """
 
     round: int
@@ -134,6 +137,7 @@ class RoundUpdates:
     byzantine: torch.Tensor
     clients: list[int]
     server_update: torch.Tensor | None = None
+    global_model: torch.Tensor | None = None
 
 
 # Sees the accepted updates of a round before they are aggregated: ``hook(updates: RoundUpdates)``. It
@@ -1321,7 +1325,9 @@ class RobustStrategy(Strategy):
         assert self.update_hook is not None
         byzantine = torch.tensor([u.sim_byzantine for u in accepted], dtype=torch.bool)
         clients = self._client_ids([u.node_id for u in accepted])
-        rewritten = self.update_hook(RoundUpdates(server_round, matrix.rows(), byzantine, clients, server_update))
+        rewritten = self.update_hook(
+            RoundUpdates(server_round, matrix.rows(), byzantine, clients, server_update, matrix.global_flat())
+        )
         indices = range(len(accepted)) if rewritten is None else sorted({int(i) for i in rewritten})
         failed = []
         for index in indices:

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from fedrobust.text import did_you_mean
+
 __all__ = ["Attack", "check_choice", "check_int", "check_real", "map_floating"]
 
 
@@ -33,11 +35,16 @@ class Attack:
         FLTrust compute: it crafts in :meth:`craft_round` only, given ``server_update``. A class
         attribute for attacks written against FLTrust; the tuned attacks set it per instance, from the
         rule they are tuned to.
+    needs_global_model : bool
+        ``True`` when the attack crafts local models rather than updates, so it needs the round's global
+        model: it crafts in :meth:`craft_round` only, given ``global_model`` (Fang's attack on the
+        trimmed mean in ``space="model"`` sets it per instance).
     """
 
     name: ClassVar[str] = "honest"
     omniscient: ClassVar[bool] = False
     needs_server_update: ClassVar[bool] = False
+    needs_global_model: ClassVar[bool] = False
 
     def poison_data(
         self, x: Tensor, y: Tensor, *, num_classes: int, generator: torch.Generator
@@ -136,6 +143,7 @@ class Attack:
         *,
         generator: torch.Generator,
         server_update: Tensor | None = None,
+        global_model: Tensor | None = None,
     ) -> Tensor:
         """Craft the Byzantine rows of one round seen whole (omniscient attacks only).
 
@@ -156,6 +164,10 @@ class Attack:
         server_update : Tensor or None
             The server's own update of the round (``[d]``) where the rule uses one (FLTrust), else None;
             an attacker with full knowledge of the server knows it.
+        global_model : Tensor or None
+            The global model the round's clients were sent (``[d]``, the rows' layout), for attacks stated
+            on local models rather than updates (Fang's on the trimmed mean in ``space="model"``); every
+            client knows it.
 
         Returns
         -------
@@ -235,5 +247,6 @@ def check_int(attack: str, param: str, value: Any, *, low: int = 0) -> int:
 def check_choice(attack: str, param: str, value: Any, choices: Collection[str]) -> str:
     """Validate a string parameter against its allowed values and return it."""
     if value not in choices:
-        raise _fail(attack, param, "one of " + ", ".join(repr(c) for c in choices), value)
+        error = _fail(attack, param, "one of " + ", ".join(repr(c) for c in choices), value)
+        raise ValueError(f"{error}{did_you_mean(value, choices)}")
     return value

@@ -83,6 +83,7 @@ class FLTrustAdaptive(Attack):
         *,
         generator: torch.Generator,
         server_update: Tensor | None = None,
+        global_model: Tensor | None = None,
     ) -> Tensor:
         g0 = server_update_of(self.name, server_update, rows.shape[-1])
         return self.against(rows[~byzantine], g0, f=int(byzantine.sum()))

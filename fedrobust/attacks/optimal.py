@@ -240,6 +240,7 @@ class _Optimal(Attack):
         *,
         generator: torch.Generator,
         server_update: Tensor | None = None,
+        global_model: Tensor | None = None,
     ) -> Tensor:
         """With ``memory``: search against the rule as the server runs it this round, its memory included.
 

@@ -51,6 +51,7 @@ VARIANTS: list[tuple[str, dict[str, object]]] = [
     ("min_max", {"perturbation": "unit_vec"}),
     ("min_sum", {"perturbation": "sign"}),
     ("fang_trimmed_mean", {"b": 4.0}),
+    ("fang_trimmed_mean", {"space": "model"}),
     ("optimal_alie", {"rule": "krum", "grid": 5, "refine": 3}),
     ("optimal_ipm", {"rule": "centered_clipping", "rule_f": 2, "rule_params": {"tau": "auto"}}),
     ("optimal_fang", {"rule": "median", "max_scale": 3.0, "grid": 4, "refine": 2}),
@@ -91,7 +92,7 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "min_max": [("perturbation", "gaussian")],
     "min_sum": [("perturbation", None)],
     "fang_krum": [("threshold", 0.0), ("threshold", math.inf)],
-    "fang_trimmed_mean": [("b", 1.0), ("b", 0.5)],
+    "fang_trimmed_mean": [("b", 1.0), ("b", 0.5), ("space", "weights")],
     "optimal_alie": [
         ("rule", "kurm"), ("rule", "winsorise+trimmed_mean"), ("rule_f", -1), ("rule_params", {"tau": 1.0}),
         ("max_scale", 0.0), ("grid", 1), ("refine", -1),
@@ -152,14 +153,23 @@ def server_update_for(honest: Tensor) -> Tensor:
     return honest.mean(dim=0) + NOISE * noise
 
 
+def global_model_for(honest: Tensor) -> Tensor:
+    """A global model whose weights are larger than one round's update, as a trained model's are."""
+    return (4.0 * torch.randn(honest.shape[1], generator=gen(98))).to(honest)
+
+
 def craft(attack: Attack, honest: Tensor, *, f: int, generator: torch.Generator) -> Tensor:
-    """``attack.craft``; an attack that needs the server update crafts in ``craft_round``, given one."""
-    if not attack.needs_server_update:
+    """``attack.craft``; an attack that needs the server update or the global model crafts in
+    ``craft_round``, given them."""
+    if not (attack.needs_server_update or attack.needs_global_model):
         return attack.craft(honest, f=f, generator=generator)
     rows = torch.cat([honest, honest[:f]])
     byzantine = torch.arange(rows.shape[0], device=rows.device) >= honest.shape[0]
     clients = list(range(rows.shape[0]))
-    return attack.craft_round(rows, byzantine, clients, generator=generator, server_update=server_update_for(honest))
+    return attack.craft_round(
+        rows, byzantine, clients, generator=generator, server_update=server_update_for(honest),
+        global_model=global_model_for(honest),
+    )
 
 
 def as_bytes(obj: object) -> object:
@@ -716,6 +726,38 @@ def test_fang_trimmed_mean_pushes_every_coordinate_against_its_direction() -> No
     # The trimmed mean then keeps the honest values on the far side only: every coordinate moves back.
     out = aggregators.build("trimmed_mean", f=F)(torch.cat([honest, byz.expand(F, -1)]))
     assert ((out - mean) * torch.sign(mean) < 0).all()
+
+
+def test_fang_trimmed_mean_in_model_space_bounds_the_local_models() -> None:
+    honest = honest_rows(seed=2).double()
+    weights = global_model_for(honest)
+    attack = attacks.build("fang_trimmed_mean", space="model")
+    byz = craft(attack, honest, f=F, generator=gen())
+    assert (byz == byz[0]).all()
+    local, mean = honest + weights, honest.mean(0)
+    low, high, up = local.min(0).values, local.max(0).values, mean > 0
+    sent = byz[0] + weights  # the Byzantine local model
+    torch.testing.assert_close(sent[up], torch.where(low[up] > 0, low[up] / 2, low[up] * 2))
+    torch.testing.assert_close(sent[~up], torch.where(high[~up] > 0, high[~up] * 2, high[~up] / 2))
+    # The bound scales weights, not updates: against a plain mean it reaches far beyond the update-space form.
+    in_updates = attacks.build("fang_trimmed_mean").craft(honest, f=F, generator=gen())
+    model_shift = shift_norm(torch.cat([honest, byz]).mean(0), mean)
+    update_shift = shift_norm(torch.cat([honest, in_updates]).mean(0), mean)
+    assert model_shift > 2 * update_shift
+
+
+def test_fang_trimmed_mean_in_model_space_needs_the_global_model() -> None:
+    attack, honest = attacks.build("fang_trimmed_mean", space="model"), honest_rows()
+    assert attack.needs_global_model and not attacks.build("fang_trimmed_mean").needs_global_model
+    with pytest.raises(ValueError, match=r"must be one of 'update', 'model', got 'modle' \(did you mean 'model'\?\)"):
+        attacks.build("fang_trimmed_mean", space="modle")
+    with pytest.raises(ValueError, match=r"fang_trimmed_mean.*space='model'.*craft_round\(\.\.\., global_model"):
+        attack.craft(honest, f=F, generator=gen())
+    rows, byzantine = honest_rows(h=H + F), torch.arange(H + F) >= H
+    with pytest.raises(ValueError, match=r"needs the round's global model of shape \(\d+,\).*got None"):
+        attack.craft_round(rows, byzantine, list(range(H + F)), generator=gen())
+    with pytest.raises(ValueError, match=r"got \(\d+,\)"):
+        attack.craft_round(rows, byzantine, list(range(H + F)), generator=gen(), global_model=rows[0, :-1])
 
 
 @pytest.mark.parametrize(

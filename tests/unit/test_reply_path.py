@@ -287,6 +287,7 @@ def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
         seen["byzantine"] = updates.byzantine.tolist()
         seen["clients"] = updates.clients
         seen["server_update"] = updates.server_update  # the mean needs none
+        seen["global_model"] = updates.global_model.clone() if updates.global_model is not None else None
         updates.rows[0] = float("nan")  # rejected when rechecked
         updates.rows[1] = 0.0  # accepted: an all-zero update
         return [0, 1]
@@ -306,6 +307,8 @@ def test_update_hook_rewrites_rows_and_failing_rows_are_dropped() -> None:
     assert [(e["node"], e["reason"]) for e in outcome.rejected_nodes] == [(100, "non_finite")]
     assert outcome.accepted == [101, 102, 103]
     keys = float_keys(state)
+    # The global model the clients were sent, in the rows' layout: an update plus it is a local model.
+    torch.testing.assert_close(seen["global_model"], flatten([state], keys)[0], rtol=0, atol=0)
     rows = flatten([{k: s[k] - state[k] for k in keys} for s in local[2:]], keys)
     mean = torch.cat([torch.zeros(1, rows.shape[1]), rows]).mean(dim=0)
     expected = torch.cat([state[k].reshape(-1) for k in keys]) + mean
