@@ -44,7 +44,8 @@ MIN_PAIRED_SEEDS = 5
 # "Visibly broken": the plain mean loses at least this much under the attacks that should break it.
 BROKEN_GAP = 0.20
 MUST_BREAK_MEAN = (
-    "sign_flip (scale=4.0)", "min_max", "fang_krum", "fang_trimmed_mean", "fang_trimmed_mean (b=10.0)",
+    "sign_flip (scale=4.0)", "min_max", "fang_krum", "fang_trimmed_mean", "fang_trimmed_mean (space=model)",
+    "fang_trimmed_mean (b=10.0)",
 )
 
 
