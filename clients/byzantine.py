@@ -65,13 +65,15 @@ def _generator(seed: int) -> torch.Generator:
 
 def adversary_for(cfg: RunConfig, context: Context, partition_id: int) -> Adversary | None:
     """The adversary this node plays, or None for an honest node."""
-    name = context.node_config.get("attack")
-    params: dict = {}
-    if not name and partition_id in byzantine_partitions(cfg):
-        name, params = cfg.attack.name, dict(cfg.attack.params)
-    if not name or name == "none":
+    name = context.node_config.get("attack")  # a deployment drill's device: a built-in, by name
+    if name:
+        attack = attacks.build(str(name)) if name != "none" else None
+    elif partition_id in byzantine_partitions(cfg):
+        attack = components.build_attack(cfg.attack)
+    else:
+        attack = None
+    if attack is None:
         return None
-    attack = attacks.build(str(name), **params)
     saved = context.state.array_records.get(ATTACK_STATE)
     if saved is not None:
         attack.load_state_dict(dict(saved.to_torch_state_dict()))

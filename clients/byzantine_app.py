@@ -5,8 +5,9 @@ except that it plays attacks (clients/byzantine.py):
 
 - on a SuperNode whose node config says ``attack=<name>`` (e.g. ``--node-config
   "attack='sign_flip'"``), that node is Byzantine; the other nodes stay honest;
-- with ``attack.name`` set in the run config, ``num_byzantine`` partitions drawn from the seed
-  are Byzantine (``flwr run`` simulation drills).
+- with ``attack.name`` (or a client-side attack of your own, ``attack._target_``) set in the run
+  config, ``num_byzantine`` partitions drawn from the seed are Byzantine (``flwr run`` simulation
+  drills).
 
 It is never the app ``flwr run .`` ships (pyproject.toml names the honest one). A drill names it
 as its ClientApp component, e.g. examples/byzantine-drill/pyproject.toml::

@@ -126,7 +126,7 @@ _warned: set[str] = set()
 
 def _warn_attack_ignored(cfg: RunConfig, context: Context) -> None:
     """Say once per process that the honest app ignores an attack the run or node config asks for."""
-    asked = context.node_config.get("attack") or (cfg.attack.name if cfg.attack.name != "none" else "")
+    asked = context.node_config.get("attack") or (cfg.attack.label if cfg.attack.active else "")
     if asked and str(asked) not in _warned:
         _warned.add(str(asked))
         log.warning(
@@ -154,7 +154,8 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
     byzantine : bool, optional
         Whether the app plays attacks: a node is Byzantine when its node config says
         ``attack=<name>``, or when its partition is one of ``num_byzantine`` seed-chosen ones
-        and ``attack.name`` is not ``none``. Default: True when ``cfg`` is given (a simulation
+        and the run config names an attack (``attack.name`` other than ``none``, or
+        ``attack._target_``). Default: True when ``cfg`` is given (a simulation
         built from a RunConfig), False otherwise (the honest app deployed to devices).
     """
     plays_attacks = cfg is not None if byzantine is None else byzantine

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from fedrobust import attacks
+from fedrobust import attacks, components
 from fedrobust.config import RunConfig
 from fedrobust.strategies.robust_strategy import RoundUpdates, UpdateHook
 from fedrobust.training import derive_seed
@@ -26,30 +26,35 @@ from fedrobust.training import derive_seed
 CraftObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-def attack_for(cfg: RunConfig) -> attacks.Attack:
-    """``cfg.attack`` built; an attack that follows the server's memory gets the server's whole pipeline.
+def attack_for(cfg: RunConfig) -> attacks.Attack | None:
+    """``cfg.attack`` built (None for ``none``); an attack that follows the server's memory gets the server's
+    whole pipeline.
 
     Such an attacker must run the server's very pipeline: the stages ``aggregator.pre`` lists in front
     of ``aggregator.name``'s, and the parameters of ``aggregator.pre_params``, which ``conf/attack`` does
     not pass (``rule_pre_params`` given in the attack's own params take precedence). Without ``memory``
-    the attack keeps its own model of the rule.
+    the attack keeps its own model of the rule. A tuned attack's ``rule`` is ``aggregator.name`` in
+    ``conf/attack``; with a rule of the user's own (``aggregator._target_``) that name is not the rule that
+    runs, so the attack is tuned to the user's rule, behind the stages ``aggregator.pre`` lists.
     """
-    attack = attacks.build(cfg.attack.name, **cfg.attack.params)
-    follows_server = getattr(attack, "memory", False) and getattr(attack, "rule", None) == cfg.aggregator.name
-    if follows_server and not cfg.aggregator._target_:
+    attack = components.build_attack(cfg.attack)
+    tuned_to_server = getattr(attack, "rule", None) == cfg.aggregator.name
+    follows_server = tuned_to_server and getattr(attack, "memory", False)
+    if follows_server or (tuned_to_server and cfg.aggregator._target_):
         stages = cfg.pre_aggregators()
-        given = {stage: dict(params) for stage, params in cfg.aggregator.pre_params.items() if stage in stages}
-        own = getattr(attack, "rule_pre_params", {})
-        pipeline = "+".join([*stages, cfg.rule()])
-        attack = dataclasses.replace(cast(Any, attack), rule=pipeline, rule_pre_params={**given, **own})
+        changes: dict[str, Any] = {"rule": "+".join([*stages, cfg.rule()])}
+        if follows_server:
+            given = {stage: dict(params) for stage, params in cfg.aggregator.pre_params.items() if stage in stages}
+            changes["rule_pre_params"] = {**given, **getattr(attack, "rule_pre_params", {})}
+        attack = dataclasses.replace(cast(Any, attack), **changes)
     return attack
 
 
 def omniscient_hook(cfg: RunConfig, observe: CraftObserver | None = None) -> UpdateHook | None:
     """The hook for ``cfg.attack`` when it is omniscient, else None; ``observe`` sees every round's craft."""
-    if cfg.attack.name not in attacks.omniscient_names() or cfg.num_byzantine == 0:
+    attack = attack_for(cfg) if cfg.num_byzantine > 0 else None
+    if attack is None or not attack.omniscient:
         return None
-    attack = attack_for(cfg)
 
     def craft(updates: RoundUpdates) -> list[int]:
         """Overwrite the Byzantine rows of ``updates.rows`` in place; return their indices."""

@@ -80,7 +80,8 @@ def table(rounds: Sequence[Reach]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.attack_reach", description=__doc__.splitlines()[0])
-    parser.add_argument("--attack", required=True, help="an omniscient attack (conf/attack/*.yaml)")
+    parser.add_argument("--attack", required=True,
+                        help="an omniscient attack (conf/attack/*.yaml, or your own by its dotted path)")
     parser.add_argument("--partitions", nargs="+", default=list(study.DEFAULT_PARTITIONS), choices=study.PARTITIONS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=study.DEFAULT_ROUNDS)
@@ -88,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="extra Hydra overrides, e.g. +attack.params.perturbation=unit_vec")
     args = parser.parse_args(argv)
     try:
-        study.attack_choice(args.attack)
+        study.attack_overrides(args.attack)
     except ValueError as err:
         parser.error(str(err))
     study._worker_init()

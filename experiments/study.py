@@ -143,7 +143,8 @@ def _aggregator_files() -> dict[str, str]:
 
 
 def is_user_rule(stage: str) -> bool:
-    """A rule of the user's own, given as its dotted path (``my_pkg.rules.MyRule`` or ``my_pkg.rules:MyRule``)."""
+    """A rule (or an attack) of the user's own, given as its dotted path (``my_pkg.rules.MyRule`` or
+    ``my_pkg.rules:MyRule``)."""
     return "." in stage or ":" in stage
 
 
@@ -170,9 +171,17 @@ def attack_choice(attack: str) -> str:
     """The Hydra choice (``attack=<this>``) that selects the attack registered as ``attack``."""
     files = _attack_files()
     if attack not in files:
-        raise ValueError(f"no config in conf/attack for attack {attack!r}{did_you_mean(attack, files)}; configured "
-                         f"attacks: {sorted(files)}")
+        raise ValueError(f"no config in conf/attack for attack {attack!r}{did_you_mean(attack, files)} (or an "
+                         f"attack of your own by its dotted path, my_pkg.attacks.MyAttack); configured attacks: "
+                         f"{sorted(files)}")
     return files[attack]
+
+
+def attack_overrides(attack: str) -> list[str]:
+    """The Hydra overrides that select ``attack``: its group file, or a user attack by its ``_target_``."""
+    if is_user_rule(attack):  # its import and hooks are checked when the runs' configs are composed
+        return ["attack=none", f"attack._target_={attack}"]
+    return [f"attack={attack_choice(attack)}"]
 
 
 def overrides_for(
@@ -199,7 +208,7 @@ def overrides_for(
         ]
     overrides = [
         *rule,
-        f"attack={attack_choice(spec.attack)}",
+        *attack_overrides(spec.attack),
         f"partition={spec.partition}",
     ]
     if spec.partition == "dirichlet":
@@ -265,6 +274,33 @@ def _other_overrides(stored: dict[str, RunSpec], overrides: dict[str, list[str]]
     return lines
 
 
+def user_code(overrides: Sequence[str]) -> dict[str, str]:
+    """For each component of the user's own that ``overrides`` name by ``_target_`` (a rule, an attack, a
+    model, a data set), the sha256 of the file that defines it: a stored result made with other code is run
+    again. Modules that file imports are not followed."""
+    digests = {}
+    for override in overrides:
+        key, _, target = override.lstrip("+").partition("=")
+        if key.endswith("._target_") and target:
+            digests[target] = _source_digest(target)
+    return digests
+
+
+def _source_digest(target: str) -> str:
+    """sha256 of the source file of the module that defines ``target``; empty when it has none to read (then
+    the result is run again, and a target that does not import fails that run with its error)."""
+    import inspect
+
+    from fedrobust.components import import_target
+
+    try:
+        module = inspect.getmodule(import_target(target))
+        source = inspect.getsourcefile(module) if module is not None else None
+        return hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
+    except (OSError, TypeError, ValueError):
+        return ""
+
+
 def _stored(path: Path, overrides: list[str]) -> dict[str, Any] | None:
     """The finished result at ``path`` if it ran with the same overrides (one from other settings is run
     again), else None."""
@@ -272,7 +308,9 @@ def _stored(path: Path, overrides: list[str]) -> dict[str, Any] | None:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return result if result.get("status") in (OK, QUORUM) and result.get("overrides") == overrides else None
+    if result.get("status") not in (OK, QUORUM) or result.get("overrides") != overrides:
+        return None
+    return result if result.get("user_code", {}) == user_code(overrides) else None
 
 
 # The clients' training defaults that changed since results began to record it: a result without the
@@ -289,7 +327,8 @@ def _client_of(result: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
 
 
 def _up_to_date(stored: dict[str, RunSpec], overrides: dict[str, list[str]], out: Path) -> set[str]:
-    """The runs whose stored result holds: same overrides and the same clients' training.
+    """The runs whose stored result holds: same overrides, the same clients' training and the same code of
+    the user's own components (:func:`user_code`).
 
     The overrides do not name what the config files set by default, so a result also records its
     clients' training (``client``); after a default there changes (``client.local_epochs``, 2 -> 3 on
@@ -351,6 +390,7 @@ def run_one(spec: RunSpec, cfg: RunConfig, overrides: list[str], out: Path) -> d
         "num_byzantine": cfg.num_byzantine,
         "alpha": cfg.partition.alpha,
         "overrides": overrides,
+        "user_code": user_code(overrides),
         # What the overrides leave to the config files' defaults: a resumed sweep compares it (_up_to_date).
         "client": dataclasses.asdict(cfg.client),
         "final_model_sha256": model_sha256,
@@ -511,8 +551,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "your own by its dotted path (my_pkg.rules.MyRule), with pre-aggregators in front: "
                              "'nnm+<rule>' (default: %(default)s)")
     parser.add_argument("--attacks", nargs="+", default=list(ATTACKS),
-                        help="attacks: their names, or their files in conf/attack (nan_fill is the study's nan; "
-                             "default: %(default)s)")
+                        help="attacks: their names, their files in conf/attack (nan_fill is the study's nan), or "
+                             "an attack of your own by its dotted path (my_pkg.attacks.MyAttack) (default: "
+                             "%(default)s)")
     parser.add_argument("--partitions", nargs="+", default=list(DEFAULT_PARTITIONS), choices=PARTITIONS,
                         help="(default: %(default)s)")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="(default: %(default)s)")
@@ -544,12 +585,17 @@ def extra_problems(extra: Sequence[str], partitions: Sequence[str] = DEFAULT_PAR
     problems += [f"{e}: --rules sets the aggregator of each run; a rule of your own is one of them by its dotted "
                  "path, e.g. --rules my_pkg.rules.MyRule 'nnm+my_pkg.rules.MyRule' (its parameters: --set "
                  "+aggregator.params.<name>=...)" for e in taken]
+    taken = [e for e in extra if e.lstrip("+~").split("=", 1)[0] in _SET_BY_ATTACKS]
+    problems += [f"{e}: --attacks sets the attack of each run; an attack of your own is one of them by its "
+                 "dotted path, e.g. --attacks none my_pkg.attacks.MyAttack (its parameters: --set "
+                 "+attack.params.<name>=...)" for e in taken]
     wrong = {line.split("=", 1)[0] for line in problems}
     unused = unused_settings([[*extra, f"partition={p}"] for p in partitions])
     return [f"--set {line}" for line in problems + [u for u in unused if u.split("=", 1)[0] not in wrong]]
 
 
 _SET_BY_RULES = frozenset({"aggregator", "aggregator.name", "aggregator._target_", "aggregator.pre"})
+_SET_BY_ATTACKS = frozenset({"attack", "attack.name", "attack._target_"})
 
 
 def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]:
@@ -562,7 +608,7 @@ def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]
             problems.append(f"--rules: {err}")
     for attack in attacks:
         try:
-            attack_choice(attack)
+            attack_overrides(attack)
         except ValueError as err:
             problems.append(f"--attacks: {err}")
     return problems

@@ -1,4 +1,4 @@
-"""Models, data sets and aggregation rules as components: a built-in by name, a user's by ``_target_``.
+"""Models, data sets, aggregation rules and attacks as components: a built-in by name, a user's by ``_target_``.
 
 Every place that builds one of them (run validation, the ClientApp, the server's central evaluation,
 the strategy factory) goes through this module, so a component named in a config behaves the same in
@@ -31,6 +31,11 @@ aggregator
     subclass of :class:`fedrobust.aggregators.base.Rule` is used as it is. Every user rule passes a
     contract check when built (:func:`check_rule`), and pre-aggregators (``aggregator.pre``) run in
     front of it as in front of a built-in.
+attack
+    ``_target_(**params)`` returns a :class:`fedrobust.attacks.Attack` that overrides the hooks it
+    uses: a client-side attack (``omniscient = False``) its data, update or num-examples hooks, run in
+    each Byzantine client; an omniscient one (``omniscient = True``, simulation only) ``craft`` or
+    ``craft_round``, run on the server with every honest update of the round.
 """
 
 from __future__ import annotations
@@ -58,12 +63,14 @@ from fedrobust.text import first_and_more
 if TYPE_CHECKING:
     from fedrobust.aggregators.pipeline import Aggregator
     from fedrobust.aggregators.rows import Rows
-    from fedrobust.config import DatasetConfig, ModelConfig, RunConfig
+    from fedrobust.attacks import Attack
+    from fedrobust.config import AttackConfig, DatasetConfig, ModelConfig, RunConfig
 
 __all__ = [
     "UserData",
     "UserRule",
     "UserSpec",
+    "build_attack",
     "build_model",
     "check_rule",
     "dataset_spec",
@@ -734,3 +741,41 @@ def check_rule(aggregator: Aggregator, *, d: int = 5) -> None:
             f"{where}: contract check: state_dict() must map names to torch tensors (checkpoints and rollbacks "
             f"keep them); {key!r} is of type {kind}: return e.g. torch.tensor(value)"
         )
+
+
+# ------------------------------------------------------------------------------------ attacks
+ATTACK_PROTOCOL = (
+    "a subclass of fedrobust.attacks.Attack (or a factory returning an instance of one), called with the "
+    "attack's params, that overrides the hooks it uses: poison_data / poison_update / poison_num_examples in "
+    "a client, or craft / craft_round with omniscient = True"
+)
+_CLIENT_HOOKS = ("poison_data", "poison_update", "poison_num_examples")
+_CRAFT_HOOKS = ("craft", "craft_round")
+
+
+def build_attack(attack: AttackConfig) -> Attack | None:
+    """The attack a config names: a built-in by ``name``, a user's by ``_target_``; None for ``none``.
+
+    Raises
+    ------
+    ValueError
+        A built-in's parameters are wrong, or a ``_target_`` cannot be imported, does not take the
+        parameters (the message shows its signature), returns no :class:`~fedrobust.attacks.Attack`, or
+        overrides none of the hooks its kind uses (it would be an honest client).
+    """
+    from fedrobust import attacks  # attacks import the rules they are tuned to, which import this module
+
+    if not attack._target_:
+        return None if attack.name == "none" else attacks.build(attack.name, **attack.params)
+    target = _resolve(attack._target_, ATTACK_PROTOCOL)
+    built = _call(target, attack.params, ATTACK_PROTOCOL, name_the_call=True)
+    if not isinstance(built, attacks.Attack):
+        raise ValueError(f"{describe(target)} returned a {type(built).__name__}; expected {ATTACK_PROTOCOL}")
+    hooks = _CRAFT_HOOKS if built.omniscient else _CLIENT_HOOKS
+    if all(getattr(type(built), hook) is getattr(attacks.Attack, hook) for hook in hooks):
+        kind = "an omniscient attack (omniscient = True)" if built.omniscient else "a client-side attack"
+        raise ValueError(
+            f"{type(built).__qualname__} is {kind} but overrides none of {', '.join(hooks)}: its clients would "
+            f"behave honestly; expected {ATTACK_PROTOCOL}"
+        )
+    return built

@@ -120,10 +120,26 @@ class ValidationConfig:
 
 @dataclass
 class AttackConfig:
-    """Which clients are Byzantine in simulation, and how they behave."""
+    """Which clients are Byzantine in simulation, and how they behave.
+
+    ``name`` picks a built-in attack (``none``: every client honest). ``_target_`` (a dotted path, e.g.
+    ``my_pkg.attacks.MyAttack``) picks a user attack instead, called with ``params``: a subclass of
+    :class:`fedrobust.attacks.Attack` (see :mod:`fedrobust.components`); ``name`` then stays ``none``.
+    """
 
     name: str = "none"
+    _target_: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        """Whether the Byzantine clients attack (a built-in other than ``none``, or a user attack)."""
+        return bool(self._target_) or self.name != "none"
+
+    @property
+    def label(self) -> str:
+        """How the attack is named in messages and logs: its ``_target_`` or its name."""
+        return self._target_ or self.name
 
 
 @dataclass

@@ -183,14 +183,23 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     _check_model(cfg, spec, problems)
     _choice(problems, "server_optimizer.name", cfg.server_optimizer.name, SERVER_OPTIMIZERS)
     attack_ok = _choice(problems, "attack.name", cfg.attack.name, ["none", *attacks.names()])
-    if cfg.attack.name != "none" and cfg.num_byzantine == 0:
-        _problem(problems, "attack.name", cfg.attack.name, "needs num_byzantine > 0 (or attack=none)")
+    attack_key = "attack._target_" if cfg.attack._target_ else "attack.name"
+    if cfg.attack._target_ and cfg.attack.name != "none":
+        _problem(problems, "attack.name", cfg.attack.name,
+                 f"and attack._target_={cfg.attack._target_} both pick an attack: keep one (attack=none with a "
+                 "_target_)")
+        attack_ok = False
+    if cfg.attack.active and cfg.num_byzantine == 0:
+        _problem(problems, attack_key, cfg.attack.label, "needs num_byzantine > 0 (or attack=none)")
     attack = None
-    if attack_ok and cfg.attack.name != "none":
+    if attack_ok and cfg.attack.active:
         try:
-            attack = attacks.build(cfg.attack.name, **cfg.attack.params)
+            attack = components.build_attack(cfg.attack)
         except (TypeError, ValueError) as err:
-            _problem(problems, "attack.params", cfg.attack.params, str(err))
+            if cfg.attack._target_:  # import, signature or hooks: the message says which
+                _problem(problems, attack_key, cfg.attack._target_, " ".join(str(err).split()))
+            else:
+                _problem(problems, "attack.params", cfg.attack.params, str(err))
     elif cfg.attack.name == "none" and cfg.attack.params:
         _problem(problems, "attack.params", cfg.attack.params, "attack=none takes no parameters")
     aim = getattr(attack, "target", None)  # a backdoor's label, or the row mimic copies
@@ -224,7 +233,7 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
                      f"must be <= {size}, the training examples of {components.dataset_label(cfg.dataset)} (the "
                      "root set is a small clean sample of them: Cao et al. use 100)")
     if attack is not None and attack.needs_server_update and not rule.needs_server_update:
-        _problem(problems, "attack.name", cfg.attack.name,
+        _problem(problems, attack_key, cfg.attack.label,
                  f"needs the server's own update of each round, which {rule_label} does not compute: "
                  "use it with aggregator=fltrust")
     if not pre_ok:
@@ -583,7 +592,7 @@ def _check_checkpoint(ck: CheckpointConfig) -> None:
 
 def byzantine_partitions(cfg: RunConfig) -> frozenset[int]:
     """Which partitions behave Byzantine in simulation: ``num_byzantine`` of them, drawn from the seed."""
-    if cfg.attack.name == "none" or cfg.num_byzantine == 0:
+    if not cfg.attack.active or cfg.num_byzantine == 0:
         return frozenset()
     rng = np.random.default_rng([cfg.seed, 0xB1A5])
     return frozenset(int(p) for p in rng.choice(cfg.num_clients, size=cfg.num_byzantine, replace=False))

@@ -29,7 +29,7 @@ def resolved_json(cfg: RunConfig) -> str:
     """The run's config as it ran, for ``resolved_config.json``: where a ``_target_`` picks a user component,
     the built-in ``name`` it stands in for is null, so that the file does not read as if the built-in ran."""
     values = dataclasses.asdict(cfg)
-    for section in ("aggregator", "dataset", "model"):
+    for section in ("aggregator", "dataset", "model", "attack"):
         if values[section]["_target_"]:
             values[section]["name"] = None
     return json.dumps(values, sort_keys=True)

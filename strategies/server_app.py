@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 from safetensors.torch import save as safetensors_bytes
 
-from fedrobust import attacks, plot
+from fedrobust import attacks, components, plot
 from fedrobust.checkpoint import CheckpointMismatchError
 from fedrobust.config import ConfigError, RunConfig, from_flat
 from fedrobust.data import DataUnavailableError
@@ -96,13 +96,18 @@ def checked_run_config(run_config: Mapping[str, Any], *, local_devices: bool = F
             problems += [line for line in config_problems(err.partial) if not any(k in line for k in refused)]
     else:
         problems = config_problems(run_cfg, local_devices=local_devices)
-        if run_cfg.attack.name in attacks.omniscient_names():
+        omniscient = run_cfg.attack.name in attacks.omniscient_names()
+        if run_cfg.attack._target_ and not problems:  # a user attack says which kind it is once built
+            built = components.build_attack(run_cfg.attack)
+            omniscient = built is not None and built.omniscient
+        if omniscient:
             # They need every honest update of a round, which only the Hydra simulation's hook hands
             # them (experiments.adversary); here they would silently do nothing.
+            key = "attack._target_" if run_cfg.attack._target_ else "attack.name"
             problems.append(
-                f"attack.name={run_cfg.attack.name}: omniscient attacks run only in Hydra simulation "
+                f"{key}={run_cfg.attack.label}: omniscient attacks run only in Hydra simulation "
                 f"(python -m experiments.run); under flwr run use a client-side attack "
-                f"({', '.join(attacks.client_names())})"
+                f"({', '.join(attacks.client_names())}, or one of your own with omniscient = False)"
             )
     if problems:
         _refuse(problems)
@@ -136,7 +141,7 @@ def run_experiment(
     out_dir.mkdir(parents=True, exist_ok=True)
     attackers = sorted(byzantine_partitions(cfg))
     if attackers:  # so that the rounds' rejected, filtered and excluded nodes can be read against them
-        log.info("attack %s played by partitions %s", cfg.attack.name, ", ".join(map(str, attackers)))
+        log.info("attack %s played by partitions %s", cfg.attack.label, ", ".join(map(str, attackers)))
     strategy = strategy_from_config(cfg, out_dir=out_dir, update_hook=update_hook, progress=progress)
     say_if_more_nodes_than_clients(grid, cfg, strategy)
     if on_strategy is not None:
@@ -201,13 +206,11 @@ def say_if_at_chance(cfg: RunConfig, result: Result) -> None:
     """Warn when a run without an attack ends at chance accuracy: the model did not learn, which neither the
     divergence guard (a loss of ln(num_classes) is finite and steady) nor the rows say. A drill's attack may
     bring any model there, so runs with one are left to their rows."""
-    from fedrobust.components import dataset_spec
-
     evaluations = result.evaluate_metrics_serverapp
-    if cfg.attack.name != "none" or cfg.num_rounds < 3 or not evaluations:
+    if cfg.attack.active or cfg.num_rounds < 3 or not evaluations:
         return
     accuracy = evaluations[max(evaluations)].get("accuracy")
-    num_classes = dataset_spec(cfg).num_classes
+    num_classes = components.dataset_spec(cfg).num_classes
     if not isinstance(accuracy, int | float) or accuracy > 1 / num_classes + CHANCE_MARGIN:
         return
     c = cfg.client

@@ -74,11 +74,12 @@ def maximize_scale(objective: Callable[[float], float], *, default: float, max_s
 def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any, rule_pre_params: Any) -> bool:
     """Validate the rule the attack is tuned against by building it once; whether it needs the server update."""
     pre, name = aggregators.split_pipeline(rule) if isinstance(rule, str) else ([], None)
-    if name not in aggregators.names() or any(stage not in aggregators.pre_names() for stage in pre):
+    users = isinstance(name, str) and any(sep in name for sep in ".:")  # a rule of the user's, by dotted path
+    if (name not in aggregators.names() and not users) or any(stage not in aggregators.pre_names() for stage in pre):
         raise ValueError(
             f"attack {attack!r}: parameter 'rule' must be one of {', '.join(aggregators.names())}, or a "
             f"pipeline of pre-aggregators ({', '.join(aggregators.pre_names())}) and a rule joined with "
-            f"'+', got {rule!r}"
+            f"'+', the rule possibly one of your own by its dotted path, got {rule!r}"
         )
     if rule_f is not None:
         check_int(attack, "rule_f", rule_f, low=0)
@@ -95,6 +96,10 @@ def _check_rule(attack: str, rule: Any, rule_f: Any, rule_params: Any, rule_pre_
     try:
         built = _build(rule, f, rule_params, {})
     except ValueError as err:
+        if users and not rule_params:  # nothing but the rule itself to blame: its import or contract
+            raise ValueError(
+                f"attack {attack!r}: parameter 'rule' must be a rule that builds, got {rule!r}: {err}"
+            ) from err
         raise ValueError(
             f"attack {attack!r}: parameter 'rule_params' must be valid parameters of rule {rule!r} ({err}), "
             f"got {dict(rule_params)!r}"

@@ -94,7 +94,8 @@ INVALID: dict[str, list[tuple[str, object]]] = {
     "fang_krum": [("threshold", 0.0), ("threshold", math.inf)],
     "fang_trimmed_mean": [("b", 1.0), ("b", 0.5), ("space", "weights")],
     "optimal_alie": [
-        ("rule", "kurm"), ("rule", "winsorise+trimmed_mean"), ("rule_f", -1), ("rule_params", {"tau": 1.0}),
+        ("rule", "kurm"), ("rule", "winsorise+trimmed_mean"),
+        ("rule", "nnm+fr_no_such_pkg.Rule"), ("rule_f", -1), ("rule_params", {"tau": 1.0}),
         ("max_scale", 0.0), ("grid", 1), ("refine", -1),
         ("memory", "yes"),
         ("rule_pre_params", {"nnm": {"k": -1}}),
@@ -1014,3 +1015,27 @@ def test_optimal_mix_with_identical_honest_rows_sends_them() -> None:
     honest = honest_rows(seed=1)[:1].expand(8, -1).contiguous()
     out = attacks.build("optimal_mix", rule="trimmed_mean", grid=3, refine=0).craft(honest, f=2, generator=gen())
     torch.testing.assert_close(out, honest[:2])
+
+
+def test_simulation_tunes_an_attack_to_a_rule_of_the_users_own_not_to_the_name_it_stands_in_for() -> None:
+    from experiments import study
+    from experiments.adversary import attack_for
+    from fedrobust.run_setup import build_aggregator
+
+    mine = "tests.unit.test_study_arguments.CoordinateMedianOfAll"
+    overrides = ["aggregator=mean", f"aggregator._target_={mine}", "aggregator.pre=bucketing", "attack=optimal_alie"]
+    configs = study.compose({"plain": overrides, "memory": [*overrides, "+attack.params.memory=true",
+                                                             "+aggregator.pre_params.bucketing.s=1"]})
+    attack = attack_for(configs["plain"])
+    # conf/attack's rule is aggregator.name, 'mean' here: the rule that runs is the user's, behind bucketing.
+    assert attack.rule == f"bucketing+{mine}"  # type: ignore[union-attr]
+    assert repr(attack._rule(F)) == repr(build_aggregator(configs["plain"]))  # type: ignore[union-attr]
+    following = attack_for(configs["memory"])
+    assert following.rule == f"bucketing+{mine}"  # type: ignore[union-attr]
+    assert following.rule_pre_params == {"bucketing": {"s": 1}}  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"optimal_alie.*parameter 'rule' must be a rule that builds, got "
+                                         r"'fr_no_such_pkg\.Rule': cannot import 'fr_no_such_pkg\.Rule'"):
+        attacks.build("optimal_alie", rule="fr_no_such_pkg.Rule")
+    # An attack tuned to a rule named in its own params keeps it.
+    named = study.compose({"own": [*overrides, "attack.params.rule=krum"]})["own"]
+    assert attack_for(named).rule == "krum"  # type: ignore[union-attr]

@@ -107,6 +107,7 @@ WRONG: dict[str, Wrong] = {
     "validation.max_num_examples": Wrong("0", "0", "must be >= 1"),
     "validation.weight_by_num_examples": Wrong("maybe", "maybe", "must be true or false"),
     "attack.name": Wrong("sign_flp", "sign_flp", "unknown choice (did you mean 'sign_flip'?); valid choices: alie,"),
+    "attack._target_": Wrong("no_such_pkg.Attack", "no_such_pkg.Attack", "cannot import 'no_such_pkg.Attack'"),
     "attack.params": Wrong("{bogus:1}", '{"bogus": 1}', "unknown parameter(s) 'bogus'; allowed: scale",
                            ("attack=sign_flip",)),
     "fault.round_timeout": Wrong("0.0", "0.0", "must be > 0"),

@@ -11,7 +11,8 @@ from experiments import attack_reach, report, worst_case
     (worst_case.main, ["{missing}"], "no such results directory: {missing}"),
     (report.main, ["--results", "{missing}", "--docs", "{tmp}/docs"], "no such results directory: --results {missing}"),
     (attack_reach.main, ["--attack", "min_maxx"],
-     "no config in conf/attack for attack 'min_maxx' (did you mean 'min_max'?); configured"),
+     "no config in conf/attack for attack 'min_maxx' (did you mean 'min_max'?) (or an attack of your own by its "
+     "dotted path, my_pkg.attacks.MyAttack); configured"),
 ])
 def test_a_tool_given_nothing_it_can_use_says_so(main, argv, message, tmp_path, capsys) -> None:
     missing = tmp_path / "no_such_sweep"

@@ -1,0 +1,147 @@
+"""Attacks by ``attack._target_``: a user's client-side and omniscient attacks from a module outside the package.
+
+The module is examples/user-components/my_attacks.py (the documented example) copied into a temporary
+directory under another name, plus a few broken attacks. The tests check building, that bad targets
+fail in validation with a message naming what is wrong, that ``flwr run`` refuses an omniscient one, and
+that both kinds are rows of the study: their runs go through the production ClientApp and server with the
+in-process transport, and each ends with another model than the honest run's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import study
+from fedrobust import attacks, components
+from fedrobust.config import AttackConfig, ConfigError, from_flat
+from fedrobust.run_setup import validate
+from fedrobust.strategies.server_app import checked_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+MODULE = "fr_user_attacks"  # not a name of anything installed
+BROKEN = '''
+
+class Inert(Attack):
+    """Overrides no hook: its clients would be honest."""
+
+
+def not_an_attack(scale=1.0):
+    return scale
+'''
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("user_attacks")
+    source = (REPO / "examples" / "user-components" / "my_attacks.py").read_text()
+    (where / f"{MODULE}.py").write_text(source + BROKEN)
+    return where
+
+
+@pytest.fixture()
+def on_path(user_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.syspath_prepend(str(user_dir))
+    monkeypatch.setenv("PYTHONPATH", str(user_dir))  # for the study's worker processes
+    return user_dir
+
+
+def _flat(**extra: object) -> dict[str, object]:
+    return {"num_clients": 6, "clients_per_round": 6, "num_byzantine": 1, "aggregator.name": "mean", **extra}
+
+
+def test_a_user_attack_is_built_with_its_params_and_a_built_in_by_name(on_path: Path) -> None:
+    reverse = components.build_attack(AttackConfig(_target_=f"{MODULE}.ScaledReverse", params={"factor": -2.0}))
+    assert reverse is not None and not reverse.omniscient
+    update = {"w": torch.ones(3), "steps": torch.tensor([5])}
+    sent = reverse.poison_update(update, round=1, generator=torch.Generator())
+    assert torch.equal(sent["w"], -2.0 * torch.ones(3)) and torch.equal(sent["steps"], torch.tensor([5]))
+    against = components.build_attack(AttackConfig(_target_=f"{MODULE}:AgainstTheMean"))
+    assert against is not None and against.omniscient
+    honest = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert torch.equal(against.craft(honest, f=2, generator=torch.Generator()), torch.tensor([[-6.0, -9.0]] * 2))
+    assert components.build_attack(AttackConfig(name="sign_flip")).name == "sign_flip"  # type: ignore[union-attr]
+    assert components.build_attack(AttackConfig()) is None  # attack=none: honest clients
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ({"attack._target_": "fr_no_such_pkg.Attack"},
+         r"attack\._target_=fr_no_such_pkg\.Attack: cannot import .*No module named 'fr_no_such_pkg'"),
+        ({"attack._target_": f"{MODULE}.ScaledRevers"},
+         rf"attack\._target_={MODULE}\.ScaledRevers: .*'{MODULE}' has no attribute 'ScaledRevers'"),
+        ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params": {"factr": -2.0}},
+         rf"attack\._target_={MODULE}\.ScaledReverse: ScaledReverse\(factor: float = -4\.0\).* cannot be called "
+         r"with \['factr'\]"),
+        ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params": {"factor": 2.0}},
+         r"ScaledReverse\(factor=2\.0\) raised ValueError: factor must be negative"),
+        ({"attack._target_": f"{MODULE}.Inert"},
+         r"Inert is a client-side attack but overrides none of poison_data, poison_update, poison_num_examples: "
+         r"its clients would behave honestly"),
+        ({"attack._target_": f"{MODULE}.not_an_attack"}, r"not_an_attack\(scale=1\.0\) returned a float; expected"),
+        ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.name": "sign_flip"},
+         rf"attack\.name=sign_flip: and attack\._target_={MODULE}\.ScaledReverse both pick an attack: keep one"),
+        ({"attack._target_": f"{MODULE}.ScaledReverse", "num_byzantine": 0},
+         rf"attack\._target_={MODULE}\.ScaledReverse: needs num_byzantine > 0"),
+    ],
+    ids=["no package", "no attribute", "wrong param", "param refused", "no hook", "not an attack", "two attacks",
+         "no byzantine"],
+)
+def test_a_bad_attack_target_fails_in_validation_naming_it(on_path: Path, overrides: dict, problem: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        validate(from_flat(_flat(**overrides)))
+    assert any(re.search(problem, line) for line in refused.value.problems), refused.value.problems
+
+
+def test_flwr_run_refuses_an_omniscient_user_attack_and_takes_a_client_side_one(on_path: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        checked_run_config(_flat(**{"attack._target_": f"{MODULE}.AgainstTheMean"}))
+    assert refused.value.problems == [
+        f"attack._target_={MODULE}.AgainstTheMean: omniscient attacks run only in Hydra simulation (python -m "
+        f"experiments.run); under flwr run use a client-side attack ({', '.join(attacks.client_names())}, or one "
+        "of your own with omniscient = False)"
+    ]
+    cfg = checked_run_config(_flat(**{"attack._target_": f"{MODULE}.ScaledReverse"}))
+    assert cfg.attack.active and cfg.attack.label == f"{MODULE}.ScaledReverse"
+
+
+def test_user_attacks_are_rows_of_the_study_and_move_the_plain_mean(
+    on_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reverse, against = f"{MODULE}.ScaledReverse", f"{MODULE}.AgainstTheMean"
+    out = tmp_path / "out"
+    command = ["--rules", "mean", "--attacks", "none", reverse, against, "--partitions", "iid", "--seeds", "0",
+               "--rounds", "3", "--clients", "6", "--byzantine", "2", "--jobs", "1", "--out", str(out)]
+    study.main(command)
+    results = {r["attack"]: r for r in study.load_results(out)}
+    assert {a: r["status"] for a, r in results.items()} == {"none": study.OK, reverse: study.OK, against: study.OK}
+    assert f"attack._target_={reverse}" in results[reverse]["overrides"]
+    honest = results["none"]
+    for attack in (reverse, against):  # each ran: another model, and a worse one under the plain mean
+        assert results[attack]["final_model_sha256"] != honest["final_model_sha256"]
+        assert results[attack]["rows"][-1]["accuracy"] < honest["rows"][-1]["accuracy"] - 0.1, attack
+    assert results[reverse]["user_code"] == {reverse: study._source_digest(reverse)} != {}
+    assert results["none"]["user_code"] == {}
+    # The same command keeps the results; after the attacks' file changes, their runs are made again.
+    capsys.readouterr()
+    study.main(command)
+    assert "3 runs, 3 done already, 0 to run" in capsys.readouterr().out
+    source = on_path / f"{MODULE}.py"
+    source.write_text(source.read_text() + "\n# edited\n")
+    study.main(command)
+    assert "3 runs, 1 done already, 2 to run" in capsys.readouterr().out
+
+
+def test_the_study_refuses_a_set_that_would_give_every_run_one_attack(tmp_path: Path, capsys) -> None:
+    for override in ("attack._target_=my_pkg.attacks.MyAttack", "attack=sign_flip", "attack.name=ipm"):
+        with pytest.raises(SystemExit) as stopped:
+            study.main(["--rules", "mean", "--attacks", "none", "sign_flip", "--partitions", "iid", "--seeds", "0",
+                        "--set", override, "--out", str(tmp_path / "out")])
+        assert stopped.value.code == 2
+        assert f"--set {override}: --attacks sets the attack of each run; an attack of your own is one of them by " \
+               "its dotted path" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
