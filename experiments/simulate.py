@@ -122,7 +122,15 @@ def simulate(
     components.load_evaluation_set(cfg)
     # A resume the server would refuse (other settings, no checkpoint that verifies) is refused before Ray's
     # start-up too (~20 s); the server's own check, once the nodes are up, is the same one.
-    check_resume(cfg)
+    resumed_after = check_resume(cfg)
+    if resumed_after is not None and resumed_after >= cfg.num_rounds and not early_signals:
+        # Every round is in the checkpoint: the server only writes the run's outputs from it and trains on no
+        # node, so it runs on the in-process transport (the same server code) without Ray's start-up.
+        from experiments.inprocess import run_inprocess
+
+        log.info("the checkpoint in %s holds all %d rounds: nothing left to train, so Ray is not started",
+                 cfg.checkpoint.dir, cfg.num_rounds)
+        return run_inprocess(cfg, out_dir, echo=True, picture=True)
     flwr_logger = logging.getLogger("flwr")
     if not verbose:  # Flower logs every actor and backend step at DEBUG
         flwr_logger.setLevel(logging.INFO)

@@ -386,7 +386,8 @@ def section(
     lines.append("")
     if chosen is not None:
         best = chosen
-        missed = [f"{p}: worst gap {_pts(g)} pts ({a}), goal {_pts(GOAL_GAP[p])}"
+        # Two decimals: a gap just above its goal would read as the goal itself with one (1.02 as 1.0).
+        missed = [f"{p}: worst gap {100 * g:.2f} pts ({a}), goal {_pts(GOAL_GAP[p])}"
                   for p, (g, a) in best.gap.items() if g > GOAL_GAP[p]]
         missed += [f"{p}: backdoor ASR {asr:.3f}, goal {GOAL_ASR:.2f}"
                    for p, asr in best.asr.items() if asr > GOAL_ASR]

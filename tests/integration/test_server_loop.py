@@ -238,6 +238,33 @@ def test_a_simulation_refuses_a_resume_before_ray_starts(tmp_path: Path, monkeyp
         simulation.simulate(changed, Path(changed.output_dir))
 
 
+def test_a_finished_run_run_again_writes_its_outputs_without_starting_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every round in the checkpoint: the Hydra run's simulation writes the run's outputs from it on the
+    in-process transport, the same server code, with no node trained and Ray not started (~20 s)."""
+    from experiments import simulate as simulation
+
+    def ray_starts(verbose: bool) -> None:
+        raise AssertionError("Ray started for a run with nothing left to train")
+
+    monkeypatch.setattr(simulation, "_start_ray", ray_starts)
+    cfg = small_config(tmp_path / "a", **{"checkpoint.dir": str(tmp_path / "ckpt")})
+    first = run_inprocess(cfg, Path(cfg.output_dir))
+    again = small_config(tmp_path / "b", **{"checkpoint.dir": str(tmp_path / "ckpt")})
+    with caplog.at_level("INFO"):
+        rows = simulation.simulate(again, Path(again.output_dir))
+    assert f"the checkpoint in {tmp_path / 'ckpt'} holds all 2 rounds: nothing left to train, so Ray is not " \
+           "started" in caplog.messages
+    assert [r["accuracy"] for r in rows] == [r["accuracy"] for r in first]
+    model = "final_model.safetensors"
+    assert (Path(again.output_dir) / model).read_bytes() == (Path(cfg.output_dir) / model).read_bytes()
+    # One round more than the checkpoint holds still starts the nodes.
+    longer = small_config(tmp_path / "c", num_rounds=3, **{"checkpoint.dir": str(tmp_path / "ckpt")})
+    with pytest.raises(AssertionError, match="Ray started"):
+        simulation.simulate(longer, Path(longer.output_dir))
+
+
 def test_a_run_of_fedrobusts_apps_names_the_run_configs_keys_in_its_errors(tmp_path: Path) -> None:
     """The same refusal names ``max_update_norm`` to a library user (test_library) and the run config's
     ``validation.max_update_norm`` to a user of fedrobust's apps, who set it there."""
