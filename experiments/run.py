@@ -27,7 +27,7 @@ import re
 import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, get_type_hints
 
@@ -634,6 +634,37 @@ def _is_multirun(args: Sequence[str]) -> bool:
     return any(a in ("-m", "--multirun") or a.lstrip("+") == "hydra.mode=MULTIRUN" for a in args)
 
 
+def range_problems(args: Sequence[str], refused: Collection[str]) -> list[str]:
+    """What validation finds wrong with the values the command line gives scalar settings (``refused`` keys
+    left out), so that a command refused for a type problem names the other problems too rather than
+    after the fix. The values are checked on RunConfig's defaults, without the groups the command picks
+    (composing them is Hydra's work, after these checks), and only the problems of the keys given are said.
+    """
+    try:
+        parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
+    except HydraException:
+        return []
+    given: dict[str, Any] = {}
+    for override in parsed:
+        key = override.key_or_group
+        if override.package is not None or override.is_delete() or override.is_sweep_override() or key in refused:
+            continue
+        found = _field_hint(key)
+        if found is None or found[0] is KeyError or dataclasses.is_dataclass(found[0]) or override.is_add():
+            continue
+        given[key] = override.value()
+    if not given:
+        return []
+    from fedrobust.config import from_flat  # torch, through validation: only once a command is refused
+    from fedrobust.run_setup import config_problems
+
+    try:
+        problems = config_problems(from_flat(given))
+    except ConfigError as err:
+        problems = err.problems
+    return [line for line in problems if line.split("=", 1)[0] in given]
+
+
 def cli() -> None:
     """``python -m experiments.run``: check the overrides' types (every job's, for a sweep), then let Hydra
     compose and run."""
@@ -650,6 +681,8 @@ def cli() -> None:
         problems = sweep_problems(sys.argv[1:])
         if problems:
             problems.append("no job of the sweep was started")
+    elif problems and not _is_multirun(sys.argv[1:]):
+        problems += range_problems(sys.argv[1:], {line.split("=", 1)[0].lstrip("+") for line in problems})
     if problems and not _full_error():
         _exit_invalid(problems)
     sys.argv[1:] = with_parameter_tables(sys.argv[1:])
