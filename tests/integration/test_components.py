@@ -29,6 +29,7 @@ from fedrobust.config import (
     replace_run_config_block,
 )
 from fedrobust.run_setup import byzantine_partitions, validate
+from tests.support.user_code import copy_example
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "fr_user_components"  # not a name of anything installed
@@ -88,10 +89,7 @@ def hf_load(seed=0):
 
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    where = tmp_path_factory.mktemp("user_code")
-    source = (REPO / "examples" / "user-components" / "my_components.py").read_text()
-    (where / f"{MODULE}.py").write_text(source + BROKEN)
-    return where
+    return copy_example(tmp_path_factory.mktemp("user_code"), "my_components.py", MODULE, BROKEN)
 
 
 @pytest.fixture()

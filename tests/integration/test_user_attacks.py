@@ -20,8 +20,8 @@ from fedrobust import attacks, components
 from fedrobust.config import AttackConfig, ConfigError, from_flat
 from fedrobust.run_setup import validate
 from fedrobust.strategies.server_app import checked_run_config
+from tests.support.user_code import copy_example, put_on_path
 
-REPO = Path(__file__).resolve().parents[2]
 MODULE = "fr_user_attacks"  # not a name of anything installed
 BROKEN = '''
 
@@ -36,17 +36,12 @@ def not_an_attack(scale=1.0):
 
 @pytest.fixture(scope="module")
 def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    where = tmp_path_factory.mktemp("user_attacks")
-    source = (REPO / "examples" / "user-components" / "my_attacks.py").read_text()
-    (where / f"{MODULE}.py").write_text(source + BROKEN)
-    return where
+    return copy_example(tmp_path_factory.mktemp("user_attacks"), "my_attacks.py", MODULE, BROKEN)
 
 
 @pytest.fixture()
 def on_path(user_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.syspath_prepend(str(user_dir))
-    monkeypatch.setenv("PYTHONPATH", str(user_dir))  # for the study's worker processes
-    return user_dir
+    return put_on_path(user_dir, monkeypatch)
 
 
 def _flat(**extra: object) -> dict[str, object]:
