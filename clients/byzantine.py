@@ -69,7 +69,7 @@ def adversary_for(cfg: RunConfig, context: Context, partition_id: int) -> Advers
     if name:
         attack = attacks.build(str(name)) if name != "none" else None
     elif partition_id in byzantine_partitions(cfg):
-        attack = components.build_attack(cfg.attack)
+        attack = components.build_attack(cfg)
     else:
         attack = None
     if attack is None:

@@ -33,20 +33,17 @@ def attack_for(cfg: RunConfig) -> attacks.Attack | None:
     Such an attacker must run the server's very pipeline: the stages ``aggregator.pre`` lists in front
     of ``aggregator.name``'s, and the parameters of ``aggregator.pre_params``, which ``conf/attack`` does
     not pass (``rule_pre_params`` given in the attack's own params take precedence). Without ``memory``
-    the attack keeps its own model of the rule. A tuned attack's ``rule`` is ``aggregator.name`` in
-    ``conf/attack``; with a rule of the user's own (``aggregator._target_``) that name is not the rule that
-    runs, so the attack is tuned to the user's rule, behind the stages ``aggregator.pre`` lists.
+    the attack keeps its own model of the rule (a rule of the user's own is modelled with the stages
+    ``aggregator.pre`` lists in front of it: :func:`fedrobust.components.tuned_rule`).
     """
-    attack = components.build_attack(cfg.attack)
-    tuned_to_server = getattr(attack, "rule", None) == cfg.aggregator.name
-    follows_server = tuned_to_server and getattr(attack, "memory", False)
-    if follows_server or (tuned_to_server and cfg.aggregator._target_):
+    attack = components.build_attack(cfg)
+    follows_server = getattr(attack, "memory", False) and getattr(attack, "rule", None) == components.tuned_rule(cfg)
+    if follows_server:
         stages = cfg.pre_aggregators()
-        changes: dict[str, Any] = {"rule": "+".join([*stages, cfg.rule()])}
-        if follows_server:
-            given = {stage: dict(params) for stage, params in cfg.aggregator.pre_params.items() if stage in stages}
-            changes["rule_pre_params"] = {**given, **getattr(attack, "rule_pre_params", {})}
-        attack = dataclasses.replace(cast(Any, attack), **changes)
+        given = {stage: dict(params) for stage, params in cfg.aggregator.pre_params.items() if stage in stages}
+        own = getattr(attack, "rule_pre_params", {})
+        pipeline = "+".join([*stages, cfg.rule()])
+        attack = dataclasses.replace(cast(Any, attack), rule=pipeline, rule_pre_params={**given, **own})
     return attack
 
 
@@ -72,6 +69,12 @@ def omniscient_hook(cfg: RunConfig, observe: CraftObserver | None = None) -> Upd
             server_update=updates.server_update,
             global_model=updates.global_model,
         )
+        if tuple(crafted.shape) != (len(targets), rows.shape[1]):  # else broadcast, or a torch shape error
+            raise ValueError(
+                f"attack {cfg.attack.label}: round {updates.round}: craft_round returned shape "
+                f"{tuple(crafted.shape)} for {len(targets)} Byzantine rows of {rows.shape[1]} coordinates; "
+                f"expected ({len(targets)}, {rows.shape[1]})"
+            )
         if observe is not None:
             observe(updates.round, rows[~byzantine], crafted)
         rows[targets] = crafted.to(rows.dtype)

@@ -306,15 +306,36 @@ def _code_text(code: str) -> str:
     return code[:10] + (" with uncommitted changes" if code.endswith("+dirty") else "")
 
 
-def _set_for_every_run(result: dict[str, Any]) -> list[str]:
+def _set_for_every_run(results: list[dict[str, Any]]) -> list[str]:
     """A bullet naming the study's ``--set`` overrides (stored after the study's own in each run's
-    overrides), which take precedence over the settings the bullet before names; none without any."""
-    overrides = list(result.get("overrides", []))
+    overrides), which take precedence over the settings the bullet before names; none without any. The
+    ``attack.params`` ones are not given to ``attack=none`` (the study leaves them out there)."""
+    attacked = [r for r in results if r.get("attack") != "none"] or results
+    overrides = list(attacked[0].get("overrides", []))
     own_last = "liveness.quarantine_after=0"
     extra = overrides[overrides.index(own_last) + 1:] if own_last in overrides else []
     if not extra:
         return []
-    return [f"* Set for every run (`--set`), over the settings above: {', '.join(f'`{e}`' for e in extra)}."]
+    honest = any(r.get("attack") == "none" for r in results) and any(_is_attack_param(e) for e in extra)
+    but = " (those of `attack.params` for every attack, `none` aside)" if honest else ""
+    return [f"* Set for every run (`--set`){but}, over the settings above: {', '.join(f'`{e}`' for e in extra)}."]
+
+
+def _study_commands(meta: dict[str, Any]) -> list[str]:
+    """The different study commands that wrote into the results directory, in the order they first ran (one
+    directory can hold the runs of several: another attack, the same settings)."""
+    commands = [i.get("command") for i in meta.get("invocations", []) if i.get("command")]
+    return list(dict.fromkeys(commands)) or [meta.get("command") or "python -m experiments.study ..."]
+
+
+def _own_attacks(attacks: list[str]) -> str:
+    """`` (..., the class's defaults)`` naming the attacks of the user's own (dotted paths) among ``attacks``."""
+    own = [a for a in attacks if "." in a or ":" in a]
+    return f" ({', '.join(f'`{a}`' for a in own)}: the defaults of its own class)" if own else ""
+
+
+def _is_attack_param(override: str) -> bool:
+    return override.lstrip("+").startswith("attack.params")
 
 
 def _clients(results: list[dict[str, Any]]) -> str:
@@ -437,7 +458,7 @@ def write_report(
         "## What was run",
         "",
         "```",
-        meta.get("command", "python -m experiments.study ..."),
+        *_study_commands(meta),
         report_command or "python -m experiments.report ...",
         "```",
         "",
@@ -447,11 +468,12 @@ def write_report(
         f"({', '.join(map(str, seeds))}).",
         f"* Each run: digits (scikit-learn, 8x8), MLP 64-64-10, {first['num_clients']} clients, all of them in "
         f"every round, f = num_byzantine = {first['num_byzantine']}, {num_rounds} rounds, FedAvg server step "
-        f"(lr 1.0), clients: {_clients(results)}; attacks with their `conf/attack/*.yaml` settings; validation on "
+        f"(lr 1.0), clients: {_clients(results)}; attacks with their `conf/attack/*.yaml` settings"
+        f"{_own_attacks(attacks)}; validation on "
         "(finite, L2 norm <= 100, same shapes); divergence guard on; quarantine off "
         "(`liveness.quarantine_after=0`, so every round has all clients and Bulyan's n >= 4f+3 holds "
         "unless validation rejects replies).",
-        *_set_for_every_run(first),
+        *_set_for_every_run(results),
         f"* `attack=none` keeps `num_byzantine={first['num_byzantine']}`: the rules are configured identically "
         f"with and without an attack; the {first['num_byzantine']} \"Byzantine\" clients then behave honestly.",
         "* Invocations of the command (a later one runs only the results that are missing): "

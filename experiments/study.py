@@ -222,7 +222,8 @@ def overrides_for(
         f"num_rounds={rounds}",
         f"seed={spec.seed}",
         "liveness.quarantine_after=0",
-        *extra,
+        # The honest baseline takes no attack parameters: those of --set are for the study's attacks.
+        *(e for e in extra if spec.attack != "none" or not e.lstrip("+").startswith("attack.params")),
     ]
     return overrides
 
@@ -299,6 +300,27 @@ def _source_digest(target: str) -> str:
         return hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
     except (OSError, TypeError, ValueError):
         return ""
+
+
+def _changed_code(
+    stored: dict[str, RunSpec], overrides: dict[str, list[str]], out: Path, up_to_date: set[str]
+) -> list[str]:
+    """``N of them again: the file of my_pkg.attacks.MyAttack changed since`` for the stored results run again
+    because the code of a component of the user's own changed (their overrides are the same)."""
+    changed: dict[str, int] = {}
+    for key, spec in stored.items():
+        if key in up_to_date:
+            continue
+        try:
+            result = json.loads(result_path(out, spec).read_text())
+        except (OSError, ValueError):
+            continue
+        if result.get("overrides") != overrides[key]:
+            continue
+        now, then = user_code(overrides[key]), result.get("user_code", {})
+        for target in sorted(t for t in now if then.get(t) != now[t]):
+            changed[target] = changed.get(target, 0) + 1
+    return [f"{count} of them again: the file of {target} changed since they ran" for target, count in changed.items()]
 
 
 def _stored(path: Path, overrides: list[str]) -> dict[str, Any] | None:
@@ -472,6 +494,8 @@ def run_study(
     if echo:
         done_before = len(specs) - len(todo)
         print(f"{len(specs)} runs, {done_before} done already, {len(todo)} to run with {jobs} job(s)", flush=True)
+        for line in _changed_code(stored, overrides, out, up_to_date):
+            print(line, flush=True)
 
     def report(done: int, spec: RunSpec, result: dict[str, Any]) -> None:
         if echo:
@@ -563,7 +587,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="f: the number of Byzantine clients and the rules' f")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="Dirichlet concentration")
     parser.add_argument("--set", dest="extra", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="extra Hydra overrides for every run, e.g. +attack.params.scale=4 (use a separate --out)")
+                        help="extra Hydra overrides for every run (attack.params ones for every attack, none aside), "
+                             "e.g. +attack.params.scale=4 (use a separate --out)")
     parser.add_argument("--jobs", type=int, default=2, help="parallel processes (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True,
                         help="results directory; its finished runs of the same settings are kept, not run again")

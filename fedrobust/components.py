@@ -40,6 +40,7 @@ attack
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib
@@ -58,13 +59,13 @@ from torch.utils.data import Dataset, TensorDataset
 
 from fedrobust import data, models
 from fedrobust.aggregators.base import Rule
-from fedrobust.text import first_and_more
+from fedrobust.text import did_you_mean, first_and_more
 
 if TYPE_CHECKING:
     from fedrobust.aggregators.pipeline import Aggregator
     from fedrobust.aggregators.rows import Rows
     from fedrobust.attacks import Attack
-    from fedrobust.config import AttackConfig, DatasetConfig, ModelConfig, RunConfig
+    from fedrobust.config import DatasetConfig, ModelConfig, RunConfig
 
 __all__ = [
     "UserData",
@@ -72,6 +73,7 @@ __all__ = [
     "UserSpec",
     "build_attack",
     "build_model",
+    "check_attack",
     "check_rule",
     "dataset_spec",
     "describe",
@@ -81,6 +83,7 @@ __all__ = [
     "load_partition",
     "load_test_set",
     "load_validation_set",
+    "tuned_rule",
     "user_rule",
 ]
 
@@ -132,7 +135,9 @@ def import_target(path: str) -> Any:
         where = module_name
         for attr in attrs:
             if not hasattr(obj, attr):
-                raise ValueError(f"cannot import {path!r}: {where!r} has no attribute {attr!r}")
+                public = [name for name in dir(obj) if not name.startswith("_")]
+                raise ValueError(f"cannot import {path!r}: {where!r} has no attribute {attr!r}"
+                                 f"{did_you_mean(attr, public)}")
             obj = getattr(obj, attr)
             where = f"{where}.{attr}"
         return obj
@@ -143,9 +148,12 @@ def describe(target: Any) -> str:
     """``name(signature)`` of a callable, for messages."""
     name = getattr(target, "__qualname__", None) or type(target).__name__
     try:
-        return f"{name}{inspect.signature(target)}"
+        signature = inspect.signature(target)
     except (TypeError, ValueError):
         return f"{name}(...)"
+    if isinstance(target, type):  # a class is called for an instance of it: its __init__'s "-> None" says nothing
+        signature = signature.replace(return_annotation=inspect.Signature.empty)
+    return f"{name}{signature}"
 
 
 def _accepts(target: Callable[..., Any], name: str) -> bool:
@@ -177,9 +185,10 @@ def _call(target: Callable[..., Any], kwargs: Mapping[str, Any], protocol: str, 
     try:
         inspect.signature(target).bind(**kwargs)
     except TypeError as err:
-        raise ValueError(
-            f"{describe(target)} cannot be called with {sorted(kwargs)}: {err}; expected {protocol}"
-        ) from None
+        taken = [p for p in inspect.signature(target).parameters if p not in kwargs]
+        hints = "".join(did_you_mean(k, taken) for k in kwargs if k not in inspect.signature(target).parameters)
+        expected = "" if hints else f"; expected {protocol}"  # a misspelt name: the spelling is the fix
+        raise ValueError(f"{describe(target)} cannot be called with {sorted(kwargs)}: {err}{hints}{expected}") from None
     except ValueError:
         pass  # no signature to check (a builtin): call it and see
     if not name_the_call:
@@ -753,22 +762,38 @@ _CLIENT_HOOKS = ("poison_data", "poison_update", "poison_num_examples")
 _CRAFT_HOOKS = ("craft", "craft_round")
 
 
-def build_attack(attack: AttackConfig) -> Attack | None:
-    """The attack a config names: a built-in by ``name``, a user's by ``_target_``; None for ``none``.
+def tuned_rule(cfg: RunConfig) -> str:
+    """The rule the server runs, as an attack tuned to it names it (``rule`` in ``conf/attack``, which says
+    ``${aggregator.name}``): ``aggregator.name``, or for a rule of the user's own, which leaves that name
+    unused, its ``_target_`` behind the stages ``aggregator.pre`` lists."""
+    if not cfg.aggregator._target_:
+        return cfg.aggregator.name
+    return "+".join([*cfg.pre_aggregators(), cfg.rule()])
+
+
+def build_attack(cfg: RunConfig) -> Attack | None:
+    """The attack ``cfg`` names: a built-in by ``attack.name``, a user's by ``attack._target_``; None for
+    ``none``. An attack tuned to the server's rule by ``aggregator.name`` is tuned to a user rule instead
+    where ``aggregator._target_`` picks one (:func:`tuned_rule`).
 
     Raises
     ------
     ValueError
         A built-in's parameters are wrong, or a ``_target_`` cannot be imported, does not take the
-        parameters (the message shows its signature), returns no :class:`~fedrobust.attacks.Attack`, or
-        overrides none of the hooks its kind uses (it would be an honest client).
+        parameters (the message shows its signature), returns no :class:`~fedrobust.attacks.Attack`,
+        overrides none of the hooks its kind uses (it would be an honest client), or, omniscient, fails
+        its contract check (:func:`check_attack`).
     """
     from fedrobust import attacks  # attacks import the rules they are tuned to, which import this module
 
+    attack = cfg.attack
+    params = dict(attack.params)
+    if cfg.aggregator._target_ and params.get("rule") == cfg.aggregator.name:
+        params["rule"] = tuned_rule(cfg)
     if not attack._target_:
-        return None if attack.name == "none" else attacks.build(attack.name, **attack.params)
+        return None if attack.name == "none" else attacks.build(attack.name, **params)
     target = _resolve(attack._target_, ATTACK_PROTOCOL)
-    built = _call(target, attack.params, ATTACK_PROTOCOL, name_the_call=True)
+    built = _call(target, params, ATTACK_PROTOCOL, name_the_call=True)
     if not isinstance(built, attacks.Attack):
         raise ValueError(f"{describe(target)} returned a {type(built).__name__}; expected {ATTACK_PROTOCOL}")
     hooks = _CRAFT_HOOKS if built.omniscient else _CLIENT_HOOKS
@@ -778,4 +803,43 @@ def build_attack(attack: AttackConfig) -> Attack | None:
             f"{type(built).__qualname__} is {kind} but overrides none of {', '.join(hooks)}: its clients would "
             f"behave honestly; expected {ATTACK_PROTOCOL}"
         )
+    if built.omniscient:
+        check_attack(built)
     return built
+
+
+def check_attack(attack: Attack, *, h: int = 6, f: int = 2, d: int = 5) -> None:
+    """Contract check of an omniscient attack: :meth:`~fedrobust.attacks.Attack.craft_round` on a small
+    random round returns ``f`` rows as wide as the honest ones (any values: a NaN row is an attack too) and
+    leaves its input alone. On a copy, so that a stateful attack's memory starts with the run.
+
+    Raises
+    ------
+    ValueError
+        Naming the attack and what it returned.
+    """
+    probe = copy.deepcopy(attack)
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(h + f, d, generator=generator) + 1.0
+    byzantine = torch.arange(h + f) >= h
+    before = rows.clone()
+    name = type(attack).__qualname__
+    try:
+        crafted = probe.craft_round(
+            rows, byzantine, list(range(h + f)), generator=generator, server_update=rows[:h].mean(dim=0),
+            global_model=torch.zeros(d),
+        )
+    except Exception as err:
+        raise ValueError(
+            f"{name}: contract check on a random round of {h} honest and {f} Byzantine [{d}] rows: craft_round "
+            f"raised {type(err).__name__}: {err}"
+        ) from err
+    shape = tuple(crafted.shape) if isinstance(crafted, Tensor) else None
+    if shape != (f, d):
+        returned = f"shape {shape}" if shape is not None else f"a {type(crafted).__name__}"
+        raise ValueError(
+            f"{name}: contract check: craft_round must return the {f} Byzantine rows, shape ({f}, {d}) for {h} "
+            f"honest rows of {d} coordinates (craft: [h, d] -> [f, d]); it returned {returned}"
+        )
+    if not torch.equal(rows, before):
+        raise ValueError(f"{name}: contract check: craft_round changed the rows it was given; return new rows")

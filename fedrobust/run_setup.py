@@ -194,7 +194,7 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
     attack = None
     if attack_ok and cfg.attack.active:
         try:
-            attack = components.build_attack(cfg.attack)
+            attack = components.build_attack(cfg)
         except (TypeError, ValueError) as err:
             if cfg.attack._target_:  # import, signature or hooks: the message says which
                 _problem(problems, attack_key, cfg.attack._target_, " ".join(str(err).split()))

@@ -98,7 +98,7 @@ def checked_run_config(run_config: Mapping[str, Any], *, local_devices: bool = F
         problems = config_problems(run_cfg, local_devices=local_devices)
         omniscient = run_cfg.attack.name in attacks.omniscient_names()
         if run_cfg.attack._target_ and not problems:  # a user attack says which kind it is once built
-            built = components.build_attack(run_cfg.attack)
+            built = components.build_attack(run_cfg)
             omniscient = built is not None and built.omniscient
         if omniscient:
             # They need every honest update of a round, which only the Hydra simulation's hook hands

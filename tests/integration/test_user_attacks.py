@@ -17,7 +17,8 @@ import torch
 
 from experiments import study
 from fedrobust import attacks, components
-from fedrobust.config import AttackConfig, ConfigError, from_flat
+from fedrobust.attacks import Attack
+from fedrobust.config import ConfigError, from_flat
 from fedrobust.run_setup import validate
 from fedrobust.strategies.server_app import checked_run_config
 from tests.support.user_code import copy_example, put_on_path
@@ -29,8 +30,27 @@ class Inert(Attack):
     """Overrides no hook: its clients would be honest."""
 
 
+class OneRowForAll(Attack):
+    """Omniscient, but crafts one [d] row instead of f of them."""
+
+    omniscient = True
+
+    def craft(self, honest, *, f, generator):
+        return -honest.mean(dim=0)
+
+
 def not_an_attack(scale=1.0):
     return scale
+
+
+class ScaledMean:
+    """A user rule with a parameter of its own: the mean, times scale."""
+
+    def __init__(self, f=0, scale=1.0):
+        self.f, self.scale = f, scale
+
+    def __call__(self, updates):
+        return self.scale * updates.mean(dim=0)
 '''
 
 
@@ -48,18 +68,34 @@ def _flat(**extra: object) -> dict[str, object]:
     return {"num_clients": 6, "clients_per_round": 6, "num_byzantine": 1, "aggregator.name": "mean", **extra}
 
 
+def _built(**extra: object) -> Attack | None:
+    return components.build_attack(from_flat(_flat(**extra)))
+
+
 def test_a_user_attack_is_built_with_its_params_and_a_built_in_by_name(on_path: Path) -> None:
-    reverse = components.build_attack(AttackConfig(_target_=f"{MODULE}.ScaledReverse", params={"factor": -2.0}))
+    reverse = _built(**{"attack._target_": f"{MODULE}.ScaledReverse", "attack.params": {"factor": -2.0}})
     assert reverse is not None and not reverse.omniscient
     update = {"w": torch.ones(3), "steps": torch.tensor([5])}
     sent = reverse.poison_update(update, round=1, generator=torch.Generator())
     assert torch.equal(sent["w"], -2.0 * torch.ones(3)) and torch.equal(sent["steps"], torch.tensor([5]))
-    against = components.build_attack(AttackConfig(_target_=f"{MODULE}:AgainstTheMean"))
+    against = _built(**{"attack._target_": f"{MODULE}:AgainstTheMean"})
     assert against is not None and against.omniscient
     honest = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert torch.equal(against.craft(honest, f=2, generator=torch.Generator()), torch.tensor([[-6.0, -9.0]] * 2))
-    assert components.build_attack(AttackConfig(name="sign_flip")).name == "sign_flip"  # type: ignore[union-attr]
-    assert components.build_attack(AttackConfig()) is None  # attack=none: honest clients
+    assert _built(**{"attack.name": "sign_flip"}).name == "sign_flip"  # type: ignore[union-attr]
+    assert _built() is None  # attack=none: honest clients
+
+
+def test_an_attack_tuned_to_the_servers_rule_is_tuned_to_a_user_rule_with_its_parameters(on_path: Path) -> None:
+    """conf/attack tunes optimal_* to ${aggregator.name} with ${aggregator.params}: with a rule of the user's own
+    those parameters are its own, and the attack is built against it, not against the name it leaves unused."""
+    rule = f"{MODULE}.ScaledMean"
+    cfg = validate(from_flat(_flat(**{
+        "aggregator._target_": rule, "aggregator.params": {"scale": 0.5}, "aggregator.pre": "nnm",
+        "attack.name": "optimal_alie", "attack.params": {"rule": "mean", "rule_params": {"scale": 0.5}},
+    })))
+    attack = components.build_attack(cfg)
+    assert attack.rule == f"nnm+{rule}" and attack.rule_params == {"scale": 0.5}  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
@@ -68,23 +104,27 @@ def test_a_user_attack_is_built_with_its_params_and_a_built_in_by_name(on_path: 
         ({"attack._target_": "fr_no_such_pkg.Attack"},
          r"attack\._target_=fr_no_such_pkg\.Attack: cannot import .*No module named 'fr_no_such_pkg'"),
         ({"attack._target_": f"{MODULE}.ScaledRevers"},
-         rf"attack\._target_={MODULE}\.ScaledRevers: .*'{MODULE}' has no attribute 'ScaledRevers'"),
+         rf"attack\._target_={MODULE}\.ScaledRevers: .*'{MODULE}' has no attribute 'ScaledRevers' \(did you mean "
+         r"'ScaledReverse'\?\)$"),
         ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params": {"factr": -2.0}},
-         rf"attack\._target_={MODULE}\.ScaledReverse: ScaledReverse\(factor: float = -4\.0\).* cannot be called "
-         r"with \['factr'\]"),
+         rf"attack\._target_={MODULE}\.ScaledReverse: ScaledReverse\(factor: float = -4\.0\) cannot be called "
+         r"with \['factr'\]: got an unexpected keyword argument 'factr' \(did you mean 'factor'\?\)$"),
         ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params": {"factor": 2.0}},
          r"ScaledReverse\(factor=2\.0\) raised ValueError: factor must be negative"),
         ({"attack._target_": f"{MODULE}.Inert"},
          r"Inert is a client-side attack but overrides none of poison_data, poison_update, poison_num_examples: "
          r"its clients would behave honestly"),
         ({"attack._target_": f"{MODULE}.not_an_attack"}, r"not_an_attack\(scale=1\.0\) returned a float; expected"),
+        ({"attack._target_": f"{MODULE}.OneRowForAll"},
+         r"OneRowForAll: contract check: craft_round must return the 2 Byzantine rows, shape \(2, 5\) for 6 honest "
+         r"rows of 5 coordinates \(craft: \[h, d\] -> \[f, d\]\); it returned shape \(5,\)"),
         ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.name": "sign_flip"},
          rf"attack\.name=sign_flip: and attack\._target_={MODULE}\.ScaledReverse both pick an attack: keep one"),
         ({"attack._target_": f"{MODULE}.ScaledReverse", "num_byzantine": 0},
          rf"attack\._target_={MODULE}\.ScaledReverse: needs num_byzantine > 0"),
     ],
-    ids=["no package", "no attribute", "wrong param", "param refused", "no hook", "not an attack", "two attacks",
-         "no byzantine"],
+    ids=["no package", "no attribute", "wrong param", "param refused", "no hook", "not an attack", "wrong shape",
+         "two attacks", "no byzantine"],
 )
 def test_a_bad_attack_target_fails_in_validation_naming_it(on_path: Path, overrides: dict, problem: str) -> None:
     with pytest.raises(ConfigError) as refused:
@@ -128,7 +168,10 @@ def test_user_attacks_are_rows_of_the_study_and_move_the_plain_mean(
     source = on_path / f"{MODULE}.py"
     source.write_text(source.read_text() + "\n# edited\n")
     study.main(command)
-    assert "3 runs, 1 done already, 2 to run" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "3 runs, 1 done already, 2 to run" in said
+    assert f"1 of them again: the file of {reverse} changed since they ran" in said
+    assert f"1 of them again: the file of {against} changed since they ran" in said
 
 
 def test_the_study_refuses_a_set_that_would_give_every_run_one_attack(tmp_path: Path, capsys) -> None:
@@ -140,3 +183,22 @@ def test_the_study_refuses_a_set_that_would_give_every_run_one_attack(tmp_path: 
         assert f"--set {override}: --attacks sets the attack of each run; an attack of your own is one of them by " \
                "its dotted path" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_attack_parameters_of_the_study_go_to_its_attacks_not_to_the_honest_baseline(
+    on_path: Path, tmp_path: Path
+) -> None:
+    from experiments import report
+
+    reverse, out = f"{MODULE}.ScaledReverse", tmp_path / "out"
+    study.main(["--rules", "mean", "--attacks", "none", reverse, "--set", "+attack.params.factor=-3.0",
+                "--partitions", "iid", "--seeds", "0", "--rounds", "1", "--clients", "6", "--byzantine", "1",
+                "--jobs", "1", "--out", str(out)])
+    results = {r["attack"]: r for r in study.load_results(out)}
+    assert results["none"]["status"] == results[reverse]["status"] == study.OK
+    assert "+attack.params.factor=-3.0" in results[reverse]["overrides"]
+    assert not any("attack.params" in o for o in results["none"]["overrides"])
+    page = report.write_report(out, tmp_path / "docs").read_text()
+    assert "* Set for every run (`--set`) (those of `attack.params` for every attack, `none` aside), over the " \
+           "settings above: `+attack.params.factor=-3.0`." in page
+    assert f"attacks with their `conf/attack/*.yaml` settings (`{reverse}`: the defaults of its own class)" in page
