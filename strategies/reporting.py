@@ -54,17 +54,22 @@ class MetricsLog:
             self.say(line)
 
     def say(self, line: str) -> None:
-        """One line for the operator: logged, and printed when echoing unless the log already shows it
-        on the console (Hydra's job logging does: the line would appear twice)."""
-        log.info("%s", line)
-        if self.echo and not _logged_to_console(log):
-            print(line, flush=True)
+        """One line for the operator (:func:`say`), printed when echoing."""
+        say(line, echo=self.echo)
 
     def finish(self, seconds: float, first_round: int = 1, notes: Sequence[str] = ()) -> None:
         """The run's summary; ``first_round`` > 1: this process resumed and trained from that round; ``notes``:
         lines it ends with (what went wrong beside the rounds, e.g. checkpoints that could not be written)."""
         for line in summary_text(self.rows, seconds, first_round, notes).splitlines():
             self.say(line)
+
+
+def say(line: str, *, echo: bool = True) -> None:
+    """One line for the operator: logged, and printed when ``echo`` unless the log already shows it on the
+    console (Hydra's job logging does: the line would appear twice; under ``flwr run`` it does not)."""
+    log.info("%s", line)
+    if echo and not _logged_to_console(log):
+        print(line, flush=True)
 
 
 def _logged_to_console(logger: logging.Logger) -> bool:

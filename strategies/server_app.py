@@ -29,6 +29,7 @@ from fedrobust.strategies.checkpointing import NoValidCheckpointError
 from fedrobust.strategies.errors import CheckpointStorageError, Preempted, QuorumError
 from fedrobust.strategies.evaluation import central_evaluate_fn, initial_arrays
 from fedrobust.strategies.from_config import strategy_from_config
+from fedrobust.strategies.reporting import say
 from fedrobust.strategies.robust_strategy import RobustStrategy, UpdateHook
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ def run_experiment(
     out_dir.mkdir(parents=True, exist_ok=True)
     attackers = sorted(byzantine_partitions(cfg))
     if attackers:  # so that the rounds' rejected, filtered and excluded nodes can be read against them
-        log.info("attack %s played by partitions %s", cfg.attack.label, ", ".join(map(str, attackers)))
+        say(f"attack {cfg.attack.label} played by partitions {', '.join(map(str, attackers))}", echo=progress)
     strategy = strategy_from_config(cfg, out_dir=out_dir, update_hook=update_hook, progress=progress)
     say_if_more_nodes_than_clients(grid, cfg, strategy)
     if on_strategy is not None:

@@ -11,6 +11,7 @@ import torch
 
 from experiments.inprocess import run_inprocess
 from fedrobust.checkpoint import CheckpointMismatchError
+from fedrobust.run_setup import byzantine_partitions
 from fedrobust.strategies.errors import QuorumError
 from tests.support.simulation import replace_update, small_config, tampering_client
 
@@ -272,3 +273,16 @@ def test_a_run_of_fedrobusts_apps_names_the_run_configs_keys_in_its_errors(tmp_p
     honest = r"\(if these nodes are honest, raise the bound: validation\.max_update_norm\)"
     with pytest.raises(QuorumError, match=honest):
         run_inprocess(cfg, Path(cfg.output_dir))
+
+
+def test_the_partitions_that_play_the_attack_are_said_with_the_round_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Printed as the round lines are where the log does not reach the console (``flwr run``'s ServerApp), so
+    that a drill's rejected and filtered nodes can be read against the attackers."""
+    cfg = small_config(tmp_path, num_rounds=1, **{"attack.name": "sign_flip"})
+    run_inprocess(cfg, Path(cfg.output_dir), echo=True)
+    said = capsys.readouterr().out.splitlines()
+    attackers = ", ".join(map(str, sorted(byzantine_partitions(cfg))))
+    assert said.index(f"attack sign_flip played by partitions {attackers}") < next(
+        i for i, line in enumerate(said) if line.startswith("[round   1/1]"))
