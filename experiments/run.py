@@ -484,8 +484,13 @@ def main(cfg: DictConfig) -> float:
     FLOWER_LOGGER.removeHandler(console_handler)
     out_dir = Path(HydraConfig.get().runtime.output_dir)
 
-    def exit_preempted_now(stopped: Preempted) -> None:
+    def exit_preempted_now(stopped: Preempted | None) -> None:
         # From the watchdog thread, while the engine's shutdown hangs: only os._exit ends the process.
+        if stopped is None:  # the stop came after the last round: the run is done
+            print(f"the run is complete and its outputs are in {out_dir}; a stop came while the simulation "
+                  "engine shut down", flush=True)
+            logging.shutdown()
+            os._exit(0)
         _say_preempted(stopped, run_cfg)
         logging.shutdown()
         os._exit(EXIT_PREEMPTED)

@@ -86,7 +86,7 @@ def simulate(
     out_dir: Path,
     *,
     verbose: bool = False,
-    on_stuck_stop: Callable[[Preempted], object] | None = None,
+    on_stuck_stop: Callable[[Preempted | None], object] | None = None,
     early_signals: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """Run ``cfg`` with ``cfg.num_clients`` simulated SuperNodes; return the metrics rows.
@@ -100,8 +100,9 @@ def simulate(
     wait on them until Ray gives up on its lost control store and ends the process with exit 1
     (after 60 s). ``on_stuck_stop``, where given, is called from a watchdog thread with the
     server's ``Preempted`` when the engine has not shut down ``STOP_TEARDOWN_TIMEOUT`` seconds
-    after the server stopped; a command-line caller exits the process there. The checkpoint is
-    on disk by then: nothing is lost by not waiting.
+    after the server stopped, or with None when the stop came after the last round (the run is
+    complete); a command-line caller exits the process there. The checkpoint, or the run's outputs,
+    are on disk by then: nothing is lost by not waiting.
 
     ``early_signals``, filled by the caller's own handler until this one's go in (a list it appends
     to), are signals that came before: the run stops at once (``Preempted``) or, once Ray has started,
@@ -141,11 +142,21 @@ def simulate(
     # built inside the ServerApp, so a signal that comes first is remembered and passed on.
     stop = threading.Event()
     strategies: list[RobustStrategy] = []
+    finished = threading.Event()  # the server ran every round and wrote the run's outputs
+    watchdog: list[threading.Timer] = []
+
+    def watch_teardown_if_done() -> None:
+        """After the last round, a stop leaves nothing to stop but the engine, whose shutdown a signal to the
+        whole group can hang (Ray's processes got it too): bounded as after a stop in a round (None: the run
+        is complete). Called on the stop and when the server is done, whichever comes second arms it."""
+        if finished.is_set() and stop.is_set() and on_stuck_stop is not None and not watchdog:
+            watchdog.append(_watch_teardown(None, signals, on_stuck_stop))
 
     def request_stop() -> None:
         stop.set()
         for strategy in strategies:
             strategy.request_stop()
+        watch_teardown_if_done()
 
     def on_strategy(strategy: RobustStrategy) -> None:
         strategies.append(strategy)
@@ -161,12 +172,12 @@ def simulate(
     server_app = ServerApp()
     preempted: list[Preempted] = []
 
-    watchdog: list[threading.Timer] = []
-
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         try:
             run_experiment(grid, cfg, out_dir, update_hook=omniscient_hook(cfg), on_strategy=on_strategy)
+            finished.set()
+            watch_teardown_if_done()
         except Preempted as stopped:
             preempted.append(stopped)
             if on_stuck_stop is not None:
@@ -232,9 +243,10 @@ def backend_config(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _watch_teardown(
-    stopped: Preempted, signals: StopSignals | None, on_stuck_stop: Callable[[Preempted], object]
+    stopped: Preempted | None, signals: StopSignals | None, on_stuck_stop: Callable[[Preempted | None], object]
 ) -> threading.Timer:
-    """A started timer that hands ``stopped`` to ``on_stuck_stop`` if the engine's shutdown hangs."""
+    """A started timer that hands ``stopped`` (None: the run had completed when the stop came) to
+    ``on_stuck_stop`` if the engine's shutdown hangs."""
 
     def stuck() -> None:
         _report_signals(signals)

@@ -71,8 +71,10 @@ pytestmark = pytest.mark.slow
 # Stateful clients (the stale attack's memory) and a stateful server optimizer.
 STATEFUL = ("attack=stale", "num_byzantine=2", "aggregator=mean", "server_optimizer=fedadam")
 # Three stops, each after at least one more round, then a random kill with at least three rounds left
-# to land in (a round completed in the moment before a stop moves the later steps one round on).
-ROUNDS = 10
+# to land in (a round completed in the moment before a stop moves the later steps one round on). A round
+# takes about 0.3 s: the third stop's signal, sent once its first round is logged, has the rest of the run
+# to land in, and 10 rounds (2 s) were once too few for a test process starved of CPU on 2 cores.
+ROUNDS = 16
 ON_STOP_ONLY = "checkpoint.every_rounds=0"
 
 
@@ -172,6 +174,27 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         assert committed(ckpt, kept_aside=1) == ROUNDS
         aside = next(ckpt.glob(f"aside-*-round-{max(kept):06d}"))
         assert (aside / "tensors.safetensors").read_bytes() == bytes(data)
+
+
+@pytest.mark.slow(seconds=30)
+def test_a_stop_after_the_last_round_while_ray_hangs_exits_0_with_the_outputs(tmp_path: Path) -> None:
+    """Ray's control store paused from round 1 on (the rounds go on without it; the engine's shutdown then
+    hangs), and SIGTERM once the run is complete: the run is done, so the command exits 0 once the
+    engine has had its time to shut down, rather than waiting on Ray (once: forever, as the third stop of the
+    test above found when its signal came after the last round)."""
+    run_dir = tmp_path / "run"
+    run = start(hydra_command(run_dir, tmp_path / "ckpt", rounds=3), tmp_path / "run.log")
+    wait_for(run, "[round   1/3]")
+    control_store = _pause_ray_control_store(run)
+    try:
+        wait_for(run, "final accuracy")
+        run.popen.send_signal(signal.SIGTERM)
+        assert finish(run, timeout=90.0) == 0, run.tail()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(control_store, signal.SIGKILL)
+    assert "the run is complete and its outputs are in" in run.log_path.read_text(), run.tail()
+    assert len(read_rows(run_dir)) == 3 and (run_dir / "final_model.safetensors").exists()
 
 
 @pytest.mark.slow(seconds=25)
