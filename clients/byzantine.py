@@ -4,7 +4,7 @@ Only a ClientApp that plays attacks consults it: the Byzantine ClientApp
 (``fedrobust.clients.byzantine_app:app``, robustness drills) and simulations
 built from a RunConfig (``make_client_app(cfg)``); the honest app that
 ``flwr run .`` ships never does. There, a node is Byzantine when its own node
-config says ``attack=...`` (a drill on real devices), or when ``cfg.attack`` is
+config names an attack (``attack=...`` or ``attack._target_=...``, a drill on real devices), or when ``cfg.attack`` is
 set and its partition is one of the ``num_byzantine`` partitions drawn from the
 seed (simulation). Omniscient attacks need
 every honest update of the round, so the client only marks its reply and the
@@ -13,6 +13,7 @@ simulation-only hook (experiments/adversary.py) crafts the update on the server.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,8 +22,9 @@ from flwr.app import ArrayRecord, Context
 from torch.utils.data import TensorDataset
 
 from fedrobust import attacks, components, protocol
-from fedrobust.config import RunConfig
+from fedrobust.config import AttackConfig, ConfigError, RunConfig, from_flat
 from fedrobust.run_setup import byzantine_partitions
+from fedrobust.text import did_you_mean
 
 ATTACK_STATE = "attack-state"
 
@@ -63,11 +65,73 @@ def _generator(seed: int) -> torch.Generator:
     return gen
 
 
+# The node config's keys of an attack: the run config's, with `attack` itself for a built-in's name.
+_NODE_ATTACK_KEYS = ("attack", "attack.name", "attack._target_", "attack.params")
+
+
+def node_attack_config(context: Context) -> AttackConfig | None:
+    """The attack a device's node config names, or None when it names none (the run config then decides).
+
+    The node config takes the run config's keys: ``attack='sign_flip'`` (or ``attack.name``) for a
+    built-in, ``attack._target_='my_pkg.attacks.MyAttack'`` for a user's, and ``attack.params``
+    (``'{"factor": 2.0}'``, or one ``attack.params.<name>`` each) for either's parameters.
+
+    Raises
+    ------
+    ValueError
+        Naming the node config's key and what is allowed.
+    """
+    flat = {key: value for key, value in context.node_config.items() if key == "attack" or key.startswith("attack.")}
+    if not flat:
+        return None
+    for key in flat:
+        if key not in _NODE_ATTACK_KEYS and not key.startswith("attack.params."):
+            raise ValueError(
+                f"node config key {key!r} is unknown{did_you_mean(key, _NODE_ATTACK_KEYS)}; an attack's keys are "
+                + ", ".join(_NODE_ATTACK_KEYS) + " and attack.params.<name>"
+            )
+    if "attack" in flat:
+        flat["attack.name"] = flat.pop("attack")
+    try:
+        return from_flat(flat).attack
+    except ConfigError as err:
+        raise ValueError("node config: " + "; ".join(err.problems)) from None
+
+
+def _node_attack(cfg: RunConfig, attack_cfg: AttackConfig) -> attacks.Attack | None:
+    """The attack of a drill device: built as the run config's would be, and client-side only."""
+    if "." in attack_cfg.name:
+        raise ValueError(
+            f"node config attack={attack_cfg.name!r}: a built-in's name; a user attack goes in "
+            f"attack._target_={attack_cfg.name!r}"
+        )
+    try:
+        attack = components.build_attack(dataclasses.replace(cfg, attack=attack_cfg))
+    except ValueError as err:
+        raise ValueError(f"node config attack {attack_cfg.label!r}: {err}") from None
+    if attack is not None and attack.omniscient:
+        client_side = ", ".join(attacks.client_names())
+        # The reason first: the server's round line shows the first 200 characters of a device's error.
+        raise ValueError(
+            f"node config attack {attack_cfg.label!r} is omniscient: it runs only in the Hydra simulation "
+            "(it needs every honest update of the round); a device plays a client-side attack: "
+            f"{client_side}, or one of your own with omniscient = False"
+        )
+    return attack
+
+
 def adversary_for(cfg: RunConfig, context: Context, partition_id: int) -> Adversary | None:
-    """The adversary this node plays, or None for an honest node."""
-    name = context.node_config.get("attack")  # a deployment drill's device: a built-in, by name
-    if name:
-        attack = attacks.build(str(name)) if name != "none" else None
+    """The adversary this node plays, or None for an honest node.
+
+    Raises
+    ------
+    ValueError
+        The node config names an attack that cannot be built, or an omniscient one (see
+        :func:`node_attack_config`); the reply then carries the message to the server.
+    """
+    attack_cfg = node_attack_config(context)  # a deployment drill's device
+    if attack_cfg is not None:
+        attack = _node_attack(cfg, attack_cfg)
     elif partition_id in byzantine_partitions(cfg):
         attack = components.build_attack(cfg)
     else:

@@ -4,7 +4,9 @@ The same ClientApp as ``fedrobust.clients.client_app:app`` (same training, data,
 except that it plays attacks (clients/byzantine.py):
 
 - on a SuperNode whose node config says ``attack=<name>`` (e.g. ``--node-config
-  "attack='sign_flip'"``), that node is Byzantine; the other nodes stay honest;
+  "attack='sign_flip'"``), or ``attack._target_=<your attack>`` with ``attack.params.<name>=...``,
+  that node is Byzantine; the other nodes stay honest. A device plays client-side attacks only;
+  an omniscient one fails its rounds with the reason;
 - with ``attack.name`` (or a client-side attack of your own, ``attack._target_``) set in the run
   config, ``num_byzantine`` partitions drawn from the seed are Byzantine (``flwr run`` simulation
   drills).

@@ -124,9 +124,15 @@ BYZANTINE_APP = "fedrobust.clients.byzantine_app:app"
 _warned: set[str] = set()
 
 
+def _node_attack_label(context: Context) -> str:
+    """The attack a device's node config names (a drill), as messages name it; empty when none."""
+    config = context.node_config
+    return str(config.get("attack._target_") or config.get("attack") or config.get("attack.name") or "")
+
+
 def _warn_attack_ignored(cfg: RunConfig, context: Context) -> None:
     """Say once per process that the honest app ignores an attack the run or node config asks for."""
-    asked = context.node_config.get("attack") or (cfg.attack.label if cfg.attack.active else "")
+    asked = _node_attack_label(context) or (cfg.attack.label if cfg.attack.active else "")
     if asked and str(asked) not in _warned:
         _warned.add(str(asked))
         log.warning(
@@ -138,7 +144,7 @@ def _warn_attack_ignored(cfg: RunConfig, context: Context) -> None:
 def _say_attack_played(context: Context, pid: int) -> None:
     """Say once per process, on a device whose node config names an attack (a deployment drill), that this
     node plays it: the honest app says when it ignores one, and the drill's device should say it does not."""
-    asked = context.node_config.get("attack")
+    asked = _node_attack_label(context)
     if asked and f"played {asked}" not in _warned:
         _warned.add(f"played {asked}")
         log.warning("attack %r played: this node (partition %d) sends attacked replies, a robustness drill", asked, pid)

@@ -34,6 +34,7 @@ from fedrobust.attacks.fltrust import FLTrustAdaptive
 from fedrobust.attacks.omniscient import ALIE, IPM, Mimic, MinMax, MinSum, alie_z
 from fedrobust.attacks.optimal import OptimalALIE, OptimalFang, OptimalIPM, OptimalMix, OptimalSearch
 from fedrobust.attacks.rop import ROP
+from fedrobust.text import did_you_mean
 
 __all__ = ["Attack", "alie_z", "build", "client_names", "names", "omniscient_names"]
 
@@ -85,7 +86,7 @@ def build(name: str, **params: Any) -> Attack:
     """
     cls = _REGISTRY.get(name)
     if cls is None:
-        raise ValueError(f"unknown attack {name!r}; valid attacks: {', '.join(names())}")
+        raise ValueError(f"unknown attack {name!r}{did_you_mean(name, names())}; valid attacks: {', '.join(names())}")
     assert dataclasses.is_dataclass(cls), cls  # every registered attack is a dataclass
     allowed = [fld.name for fld in dataclasses.fields(cls) if fld.init]
     unknown = sorted(set(params) - set(allowed))

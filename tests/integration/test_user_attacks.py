@@ -4,7 +4,8 @@ The module is examples/user-components/my_attacks.py (the documented example) co
 directory under another name, plus a few broken attacks. The tests check building, that bad targets
 fail in validation with a message naming what is wrong, that ``flwr run`` refuses an omniscient one, and
 that both kinds are rows of the study: their runs go through the production ClientApp and server with the
-in-process transport, and each ends with another model than the honest run's.
+in-process transport, and each ends with another model than the honest run's. A drill device plays the
+client-side one its node config names, and names the reason when it cannot play what it was given.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 
 from experiments import study
-from fedrobust import attacks, components
+from experiments.inprocess import _server_identity, run_inprocess
+from fedrobust import attacks, components, protocol
 from fedrobust.attacks import Attack
+from fedrobust.clients import byzantine_app
+from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import ConfigError, from_flat
 from fedrobust.run_setup import validate
 from fedrobust.strategies.server_app import checked_run_config
@@ -202,3 +207,72 @@ def test_attack_parameters_of_the_study_go_to_its_attacks_not_to_the_honest_base
     assert "* Set for every run (`--set`) (those of `attack.params` for every attack, `none` aside), over the " \
            "settings above: `+attack.params.factor=-3.0`." in page
     assert f"attacks with their `conf/attack/*.yaml` settings (`{reverse}`: the defaults of its own class)" in page
+
+
+# ---- a drill device: its node config names the attack (docs/deployment.md, section 7) ----
+
+
+def _device_reply(node_config: dict[str, object]) -> Message:
+    """One training round of the Byzantine ClientApp on a device with ``node_config``: the real app, its
+    signing mod and training; the message as the server sends it."""
+    run_config = {"num_clients": 4, "clients_per_round": 4, "num_byzantine": 0, "seed": 3}
+    cfg = from_flat(run_config)
+    torch.manual_seed(0)  # the same global model for every call
+    model = components.build_model(cfg.model, components.dataset_spec(cfg))
+    content = RecordDict({
+        protocol.ARRAYS: ArrayRecord(model.state_dict()),
+        protocol.CONFIG: ConfigRecord({protocol.SERVER_ROUND: 1, protocol.NONCE: "n"}),
+    })
+    with _server_identity(1):
+        message = Message(content, dst_node_id=5, message_type=MessageType.TRAIN)
+    context = Context(run_id=1, node_id=5, state=RecordDict(), run_config=run_config,
+                      node_config={protocol.PARTITION_ID: 1, protocol.NUM_PARTITIONS: 4, **node_config})
+    return byzantine_app.app(message, context)
+
+
+def _update(reply: Message) -> torch.Tensor:
+    assert not reply.has_error(), reply.error.reason
+    state = reply.content.array_records[protocol.UPDATE].to_torch_state_dict()
+    return torch.cat([t.flatten() for t in state.values()])
+
+
+def test_a_drill_device_plays_the_user_attack_its_node_config_names_with_its_params(on_path: Path) -> None:
+    honest = _update(_device_reply({}))
+    for params in ({"attack.params": '{"factor": -3.0}'}, {"attack.params.factor": -3.0}):
+        attacked = _update(_device_reply({"attack._target_": f"{MODULE}.ScaledReverse", **params}))
+        assert torch.allclose(attacked, -3.0 * honest, atol=1e-6), params
+    assert torch.allclose(_update(_device_reply({"attack": "sign_flip"})), -honest, atol=1e-6)
+    scaled = _update(_device_reply({"attack.name": "sign_flip", "attack.params.scale": 4.0}))
+    assert torch.allclose(scaled, -4.0 * honest, atol=1e-6)
+
+
+@pytest.mark.parametrize(("node_config", "problem"), [
+    ({"attack": "alie"}, r"node config attack 'alie' is omniscient: .* client-side attack: .*sign_flip"),
+    ({"attack._target_": f"{MODULE}.AgainstTheMean"}, r"AgainstTheMean' is omniscient"),
+    ({"attack": f"{MODULE}.ScaledReverse"}, rf"a user attack goes in attack._target_='{MODULE}.ScaledReverse'"),
+    ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params.factr": -3.0}, r"did you mean 'factor'"),
+    ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params.factor": 3.0}, r"factor must be negative"),
+    ({"attack": "sign_flp"}, r"unknown attack 'sign_flp'.*did you mean 'sign_flip'"),
+    ({"attack.paramz": "{}"}, r"node config key 'attack.paramz' is unknown \(did you mean 'attack.params'\?\)"),
+])
+def test_a_drill_device_whose_node_config_names_a_wrong_attack_fails_its_round_with_the_reason(
+    on_path: Path, node_config: dict[str, object], problem: str,
+) -> None:
+    with pytest.raises(ValueError, match=problem):
+        _device_reply(node_config)
+
+
+def test_the_server_of_a_drill_shows_the_reason_a_device_gave_and_the_others_train_on(on_path: Path) -> None:
+    """The deployment's round loop with four devices, as docs/deployment.md's drill runs them: one plays a
+    user attack, one names a wrong one; the round line shows that device's reason, the round goes on."""
+    cfg = from_flat({"num_clients": 4, "clients_per_round": 4, "num_byzantine": 1, "num_rounds": 1,
+                     "aggregator.name": "median", "seed": 0})
+    devices = {11 + i: {protocol.PARTITION_ID: i, protocol.NUM_PARTITIONS: 4} for i in range(4)}
+    devices[12] |= {"attack._target_": f"{MODULE}.ScaledReverse", "attack.params.factor": -3.0}
+    devices[13] |= {"attack": "alie"}
+    rows = run_inprocess(cfg, client_app=make_client_app(cfg, byzantine=True), nodes=devices)
+    [(reason, count)] = rows[-1]["client_errors"].items()
+    assert count == 1 and reason.startswith(
+        "ValueError: node config attack 'alie' is omniscient: it runs only in the Hydra simulation (it needs "
+        "every honest update of the round); a device plays a client-side attack: backdoor, "), reason
+    assert rows[-1]["accepted"] == 3 and rows[-1]["aggregated"]
