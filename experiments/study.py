@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from experiments.source_digest import source_digest
 from fedrobust.config import ConfigError, RunConfig
 from fedrobust.text import did_you_mean
 
@@ -277,35 +278,20 @@ def _other_overrides(stored: dict[str, RunSpec], overrides: dict[str, list[str]]
 
 def user_code(overrides: Sequence[str]) -> dict[str, str]:
     """For each component of the user's own that ``overrides`` name by ``_target_`` (a rule, an attack, a
-    model, a data set), the sha256 of the file that defines it: a stored result made with other code is run
-    again. Modules that file imports are not followed."""
+    model, a data set), the digest of its code (:func:`experiments.source_digest.source_digest`: its file
+    and the user's modules it imports): a stored result made with other code is run again."""
     digests = {}
     for override in overrides:
         key, _, target = override.lstrip("+").partition("=")
         if key.endswith("._target_") and target:
-            digests[target] = _source_digest(target)
+            digests[target] = source_digest(target)
     return digests
-
-
-def _source_digest(target: str) -> str:
-    """sha256 of the source file of the module that defines ``target``; empty when it has none to read (then
-    the result is run again, and a target that does not import fails that run with its error)."""
-    import inspect
-
-    from fedrobust.components import import_target
-
-    try:
-        module = inspect.getmodule(import_target(target))
-        source = inspect.getsourcefile(module) if module is not None else None
-        return hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
-    except (OSError, TypeError, ValueError):
-        return ""
 
 
 def _changed_code(
     stored: dict[str, RunSpec], overrides: dict[str, list[str]], out: Path, up_to_date: set[str]
 ) -> list[str]:
-    """``N of them again: the file of my_pkg.attacks.MyAttack changed since`` for the stored results run again
+    """``N of them again: the code of my_pkg.attacks.MyAttack changed since`` for the stored results run again
     because the code of a component of the user's own changed (their overrides are the same)."""
     changed: dict[str, int] = {}
     for key, spec in stored.items():
@@ -320,7 +306,7 @@ def _changed_code(
         now, then = user_code(overrides[key]), result.get("user_code", {})
         for target in sorted(t for t in now if then.get(t) != now[t]):
             changed[target] = changed.get(target, 0) + 1
-    return [f"{count} of them again: the file of {target} changed since they ran" for target, count in changed.items()]
+    return [f"{count} of them again: the code of {target} changed since they ran" for target, count in changed.items()]
 
 
 def _stored(path: Path, overrides: list[str]) -> dict[str, Any] | None:

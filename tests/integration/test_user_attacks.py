@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 
 from experiments import study
 from experiments.inprocess import _server_identity, run_inprocess
+from experiments.source_digest import source_digest
 from fedrobust import attacks, components, protocol
 from fedrobust.attacks import Attack
 from fedrobust.clients import byzantine_app
@@ -164,7 +165,7 @@ def test_user_attacks_are_rows_of_the_study_and_move_the_plain_mean(
     for attack in (reverse, against):  # each ran: another model, and a worse one under the plain mean
         assert results[attack]["final_model_sha256"] != honest["final_model_sha256"]
         assert results[attack]["rows"][-1]["accuracy"] < honest["rows"][-1]["accuracy"] - 0.1, attack
-    assert results[reverse]["user_code"] == {reverse: study._source_digest(reverse)} != {}
+    assert results[reverse]["user_code"] == {reverse: source_digest(reverse)} != {}
     assert results["none"]["user_code"] == {}
     # The same command keeps the results; after the attacks' file changes, their runs are made again.
     capsys.readouterr()
@@ -175,8 +176,8 @@ def test_user_attacks_are_rows_of_the_study_and_move_the_plain_mean(
     study.main(command)
     said = capsys.readouterr().out
     assert "3 runs, 1 done already, 2 to run" in said
-    assert f"1 of them again: the file of {reverse} changed since they ran" in said
-    assert f"1 of them again: the file of {against} changed since they ran" in said
+    assert f"1 of them again: the code of {reverse} changed since they ran" in said
+    assert f"1 of them again: the code of {against} changed since they ran" in said
 
 
 def test_the_study_refuses_a_set_that_would_give_every_run_one_attack(tmp_path: Path, capsys) -> None:
