@@ -640,34 +640,38 @@ def _is_multirun(args: Sequence[str]) -> bool:
 
 
 def range_problems(args: Sequence[str], refused: Collection[str]) -> list[str]:
-    """What validation finds wrong with the values the command line gives scalar settings (``refused`` keys
-    left out), so that a command refused for a type problem names the other problems too rather than
-    after the fix. The values are checked on RunConfig's defaults, without the groups the command picks
-    (composing them is Hydra's work, after these checks), and only the problems of the keys given are said.
-    """
+    """What validation finds wrong with the config the command composes without its ``refused`` overrides,
+    so that a command refused for a type problem names the other problems too rather than after the fix:
+    a value out of range (``num_rounds=0``), and a problem of the groups it picks (``aggregator=krum`` with
+    too few clients for its f). Empty when that config does not compose (Hydra then says why)."""
     try:
         parsed = OverridesParser.create().parse_overrides([a for a in args if "=" in a and not a.startswith("-")])
     except HydraException:
         return []
-    given: dict[str, Any] = {}
-    for override in parsed:
-        key = override.key_or_group
-        if override.package is not None or override.is_delete() or override.is_sweep_override() or key in refused:
-            continue
-        found = _field_hint(key)
-        if found is None or found[0] is KeyError or dataclasses.is_dataclass(found[0]) or override.is_add():
-            continue
-        given[key] = override.value()
-    if not given:
-        return []
-    from fedrobust.config import from_flat  # torch, through validation: only once a command is refused
-    from fedrobust.run_setup import config_problems
+    kept = [o.input_line for o in parsed
+            if o.input_line is not None and o.key_or_group.lstrip("+") not in refused and not o.is_sweep_override()]
+    if not [line for line in kept if not line.lstrip("+~").startswith("hydra.")]:
+        return []  # the defaults are valid: the refusal stays quick, without torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf.errors import OmegaConfBaseException
 
+    from fedrobust.run_setup import config_problems  # torch: only where there is more to check
+    dirs = config_dirs(args)
+    search_path = _search_path_override(dirs)
+    hydra_config = HydraConfig.instance().cfg
     try:
-        problems = config_problems(from_flat(given))
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            own = [o for o in with_parameter_tables(kept) if not (search_path and o.startswith("hydra.searchpath="))]
+            job_cfg, _ = _as_job(compose(config_name="config", overrides=search_path + own,
+                                         return_hydra_config=True), 0)
+        problems = config_problems(to_run_config(job_cfg), local_devices=True)
     except ConfigError as err:
-        problems = err.problems
-    return [line for line in problems if line.split("=", 1)[0] in given]
+        problems = list(err.problems)
+    except (HydraException, OmegaConfBaseException):
+        return []
+    finally:
+        HydraConfig.instance().cfg = hydra_config
+    return [line for line in problems if line.split("=", 1)[0] not in refused]
 
 
 def cli() -> None:

@@ -460,16 +460,25 @@ def test_settings_for_other_choices_of_a_swept_group_and_table_overrides_are_acc
 def test_a_type_problem_comes_with_the_range_problems_of_the_other_values(
     engine_guard: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Types are checked before Hydra composes; the values the command gives other settings are checked then
-    too, so that fixing ``seed=1.5`` is not followed by a refusal of ``num_rounds=0``."""
+    """Types are checked before Hydra composes; the config the other overrides compose is checked then too,
+    so that fixing ``seed=1.5`` is not followed by a refusal of ``num_rounds=0``, or of the rule the command
+    picks for too few clients."""
     outcome = _cli(["seed=1.5", "fault.round_timeout=-5", "num_rounds=0", "num_clients=3", "client.lr=0.1"],
                    monkeypatch)
     assert outcome.code == 2 and not engine_guard, outcome
     assert [line.strip() for line in outcome.stderr.splitlines()[1:]] == [
         "seed=1.5: must be an integer",
         "num_rounds=0: must be >= 1",
+        "num_byzantine=4: must be < num_clients (3)",
+        "num_byzantine=4: f=4 is too large for consistency+direction+dedup+winsorize+nnm+trimmed_mean: it needs "
+        "at least 9 replies per round, but clients_per_round=3",
         "fault.round_timeout=-5.0: must be > 0 and finite",
-    ]  # num_clients=3 with the default num_byzantine=4 is said once the types are right, as a composed problem
+    ]
+    outcome = _cli(["aggregator=krum", "num_clients=5", "seed=1.5"], monkeypatch)
+    assert [line.strip() for line in outcome.stderr.splitlines()[1:]] == [
+        "seed=1.5: must be an integer",
+        "num_byzantine=4: f=4 is too large for krum: it needs at least 11 replies per round, but clients_per_round=5",
+    ], outcome.stderr
 
 
 def test_a_sweep_with_an_invalid_job_starts_none_and_names_each_bad_job(
