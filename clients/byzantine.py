@@ -100,22 +100,26 @@ def node_attack_config(context: Context) -> AttackConfig | None:
 
 def _node_attack(cfg: RunConfig, attack_cfg: AttackConfig) -> attacks.Attack | None:
     """The attack of a drill device: built as the run config's would be, and client-side only."""
+    client_side = ", ".join(attacks.client_names())
     if "." in attack_cfg.name:
         raise ValueError(
             f"node config attack={attack_cfg.name!r}: a built-in's name; a user attack goes in "
             f"attack._target_={attack_cfg.name!r}"
+        )
+    if not attack_cfg._target_ and attack_cfg.name not in ("none", *attacks.names()):
+        raise ValueError(
+            f"node config attack {attack_cfg.name!r} is unknown{did_you_mean(attack_cfg.name, attacks.client_names())}"
+            f"; a device plays a client-side attack: {client_side}, or one of your own by attack._target_"
         )
     try:
         attack = components.build_attack(dataclasses.replace(cfg, attack=attack_cfg))
     except ValueError as err:
         raise ValueError(f"node config attack {attack_cfg.label!r}: {err}") from None
     if attack is not None and attack.omniscient:
-        client_side = ", ".join(attacks.client_names())
         # The reason first: the server's round line shows the first 200 characters of a device's error.
         raise ValueError(
-            f"node config attack {attack_cfg.label!r} is omniscient: it runs only in the Hydra simulation "
-            "(it needs every honest update of the round); a device plays a client-side attack: "
-            f"{client_side}, or one of your own with omniscient = False"
+            f"node config attack {attack_cfg.label!r} is omniscient, which only the Hydra simulation runs (it "
+            f"crafts from every honest update); a device plays a client-side attack: {client_side}, or your own"
         )
     return attack
 

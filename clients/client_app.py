@@ -141,13 +141,15 @@ def _warn_attack_ignored(cfg: RunConfig, context: Context) -> None:
         )
 
 
-def _say_attack_played(context: Context, pid: int) -> None:
+def _say_attack_played(context: Context, pid: int, attack: object) -> None:
     """Say once per process, on a device whose node config names an attack (a deployment drill), that this
-    node plays it: the honest app says when it ignores one, and the drill's device should say it does not."""
+    node plays it, with the parameters it was built with: the honest app says when it ignores one, and the
+    drill's device should say it does not."""
     asked = _node_attack_label(context)
-    if asked and f"played {asked}" not in _warned:
-        _warned.add(f"played {asked}")
-        log.warning("attack %r played: this node (partition %d) sends attacked replies, a robustness drill", asked, pid)
+    if asked and f"played {attack!r}" not in _warned:
+        _warned.add(f"played {attack!r}")
+        log.warning("attack %r played: this node (partition %d) sends attacked replies, a robustness drill (%r)",
+                    asked, pid, attack)
 
 
 def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = None) -> ClientApp:
@@ -201,7 +203,7 @@ def make_client_app(cfg: RunConfig | None = None, *, byzantine: bool | None = No
 
             adversary = adversary_for(run_cfg, context, pid)
             if adversary is not None:
-                _say_attack_played(context, pid)
+                _say_attack_played(context, pid, adversary.attack)
         else:
             _warn_attack_ignored(run_cfg, context)
         update, num_examples, metrics = local_update(run_cfg, context, global_state, server_round, adversary)

@@ -37,7 +37,7 @@ _WRAPPER = re.compile(r"ClientAppException|RayTaskError")  # Flower's and Ray's 
 _TYPE_AND_MESSAGE = re.compile(r"^<class '(?P<type>[A-Za-z_][\w.]*)'>:<'(?P<message>.*)'>$")
 
 
-def error_reason(reason: object, limit: int = 200) -> str:
+def error_reason(reason: object, limit: int = 300) -> str:
     """What failed on a client, in one line, from the reason of an error reply.
 
     Flower's reason holds a traceback, under Ray's simulation wrapped in the repr of Ray's error
@@ -50,7 +50,7 @@ def error_reason(reason: object, limit: int = 200) -> str:
     """
     lines = [line.strip() for line in _ANSI.sub("", str(reason)).splitlines() if line.strip()]
     if len(lines) == 1 and (typed := _TYPE_AND_MESSAGE.match(lines[0])):
-        return f"{typed['type'].rsplit('.', 1)[-1]}: {typed['message']}"[:limit]
+        return _clip(f"{typed['type'].rsplit('.', 1)[-1]}: {typed['message']}", limit)
     line = ""
     during = False  # the next exception was raised while handling the one before: it is the one to report
     for text in lines:
@@ -62,7 +62,15 @@ def error_reason(reason: object, limit: int = 200) -> str:
             line, during = text, False
     if not line:
         line = lines[-1] if lines else "unknown error"
-    return line.removesuffix("'>")[:limit]
+    return _clip(line.removesuffix("'>"), limit)
+
+
+def _clip(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` characters, cut after a word with `` ...`` where it is longer (one line of
+    the round's log, one key of its metrics)."""
+    if len(text) <= limit:
+        return text
+    return text[: limit - 4].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
 
 
 @dataclass

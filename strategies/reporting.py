@@ -143,7 +143,15 @@ def node_lines(row: dict[str, Any]) -> list[str]:
     ]
     if row.get("excluded_nodes"):
         lines.append(f"    excluded by the rule: {', '.join(_node(e) for e in row['excluded_nodes'])}")
-    lines += [f"    client error x{n}: {message}" for message, n in row.get("client_errors", {}).items()]
+    failed: dict[str, list[str]] = {}  # error message -> the nodes that replied with it
+    for entry in row.get("dropped_nodes", []):
+        if entry.get("error"):
+            failed.setdefault(entry["error"], []).append(_node(entry))
+    lines += [
+        f"    client error x{n}" + (f" ({first_and_more(failed[message])})" if failed.get(message) else "")
+        + f": {message}"
+        for message, n in row.get("client_errors", {}).items()
+    ]
     lines += [f"    evaluate error x{n}: {message}" for message, n in row.get("evaluate_errors", {}).items()]
     if row.get("quarantined"):
         lines.append(f"    quarantined: nodes {', '.join(str(n) for n in row['quarantined'])}")

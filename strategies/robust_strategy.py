@@ -83,6 +83,7 @@ class RoundOutcome:
     filtered_by: dict[int, str] = field(default_factory=dict)  # node id -> the filter that left it out
     excluded: list[int] = field(default_factory=list)  # node ids: accepted, given no weight by the rule
     client_errors: Counter[str] = field(default_factory=Counter)  # error message -> replies
+    errors_by_node: dict[int, str] = field(default_factory=dict)  # node id -> its error message
     f_used: int = 0
     needed: int = 0  # the valid replies the rule needed (with f_used)
     aggregated: bool = False
@@ -194,7 +195,9 @@ class RoundIntake:
         node_id = self._sent.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
         if reply.has_error():
             outcome.dropped.append(node_id)
-            outcome.client_errors[error_reason(reply.error.reason)] += 1
+            reason = error_reason(reply.error.reason)
+            outcome.client_errors[reason] += 1
+            outcome.errors_by_node[node_id] = reason
             return
         if node_id in self._seen:
             s._reject(outcome.round, node_id, outcome, Rejection(DUPLICATE_REPLY, "second reply"))
@@ -964,10 +967,11 @@ class RobustStrategy(Strategy):
             "reasons are in the round's line)"
         )
         log.warning(
-            "round %d: %d nodes proven faulty (rejected or quarantined), more than num_byzantine=%d: the rule "
+            "round %d: %d node%s proven faulty (rejected or quarantined), more than num_byzantine=%d: the rule "
             "tolerates f faulty nodes, and misconfigured nodes count among them; %s. Said once a run.",
             server_round,
             proven,
+            "" if proven == 1 else "s",
             self.num_byzantine,
             advice,
         )

@@ -520,7 +520,12 @@ class RoundLoop:
             "rejected_nodes": outcome.rejected_nodes,
             "dropped": len(outcome.dropped),
             # By partition where known, as the rows: node ids are drawn anew each run, the rows' order is not.
-            "dropped_nodes": [{"node": n, "partition": s.partitions.get(n)} for n in s._order(outcome.dropped)],
+            # With its error where the node replied with one (else it missed the deadline).
+            "dropped_nodes": [
+                {"node": n, "partition": s.partitions.get(n)}
+                | ({"error": outcome.errors_by_node[n]} if n in outcome.errors_by_node else {})
+                for n in s._order(outcome.dropped)
+            ],
             "filtered": len(outcome.filtered),
             "filtered_nodes": [
                 {"node": n, "partition": s.partitions.get(n), "by": outcome.filtered_by.get(n)}

@@ -22,10 +22,11 @@ from experiments.inprocess import _server_identity, run_inprocess
 from experiments.source_digest import source_digest
 from fedrobust import attacks, components, protocol
 from fedrobust.attacks import Attack
-from fedrobust.clients import byzantine_app
+from fedrobust.clients import byzantine_app, client_app
 from fedrobust.clients.client_app import make_client_app
 from fedrobust.config import ConfigError, from_flat
 from fedrobust.run_setup import validate
+from fedrobust.strategies import reporting
 from fedrobust.strategies.server_app import checked_run_config
 from tests.support.user_code import copy_example, put_on_path
 
@@ -248,12 +249,13 @@ def test_a_drill_device_plays_the_user_attack_its_node_config_names_with_its_par
 
 
 @pytest.mark.parametrize(("node_config", "problem"), [
-    ({"attack": "alie"}, r"node config attack 'alie' is omniscient: .* client-side attack: .*sign_flip"),
+    ({"attack": "alie"}, r"node config attack 'alie' is omniscient, .* client-side attack: .*sign_flip"),
     ({"attack._target_": f"{MODULE}.AgainstTheMean"}, r"AgainstTheMean' is omniscient"),
     ({"attack": f"{MODULE}.ScaledReverse"}, rf"a user attack goes in attack._target_='{MODULE}.ScaledReverse'"),
     ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params.factr": -3.0}, r"did you mean 'factor'"),
     ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.params.factor": 3.0}, r"factor must be negative"),
-    ({"attack": "sign_flp"}, r"unknown attack 'sign_flp'.*did you mean 'sign_flip'"),
+    ({"attack": "sign_flp"}, r"attack 'sign_flp' is unknown \(did you mean 'sign_flip'\?\); a device plays a "
+                             r"client-side attack: backdoor, .*, zero, or one of your own by attack._target_$"),
     ({"attack.paramz": "{}"}, r"node config key 'attack.paramz' is unknown \(did you mean 'attack.params'\?\)"),
 ])
 def test_a_drill_device_whose_node_config_names_a_wrong_attack_fails_its_round_with_the_reason(
@@ -263,17 +265,27 @@ def test_a_drill_device_whose_node_config_names_a_wrong_attack_fails_its_round_w
         _device_reply(node_config)
 
 
-def test_the_server_of_a_drill_shows_the_reason_a_device_gave_and_the_others_train_on(on_path: Path) -> None:
+def test_the_server_of_a_drill_shows_the_reason_a_device_gave_and_the_others_train_on(
+    on_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The deployment's round loop with four devices, as docs/deployment.md's drill runs them: one plays a
-    user attack, one names a wrong one; the round line shows that device's reason, the round goes on."""
+    user attack and says so with its parameters, one names a wrong one; the lines under the round's name
+    that device and its reason, and the round goes on."""
+    monkeypatch.setattr(client_app, "_warned", set())  # said once a process: not left to an earlier test
     cfg = from_flat({"num_clients": 4, "clients_per_round": 4, "num_byzantine": 1, "num_rounds": 1,
                      "aggregator.name": "median", "seed": 0})
     devices = {11 + i: {protocol.PARTITION_ID: i, protocol.NUM_PARTITIONS: 4} for i in range(4)}
     devices[12] |= {"attack._target_": f"{MODULE}.ScaledReverse", "attack.params.factor": -3.0}
     devices[13] |= {"attack": "alie"}
     rows = run_inprocess(cfg, client_app=make_client_app(cfg, byzantine=True), nodes=devices)
-    [(reason, count)] = rows[-1]["client_errors"].items()
-    assert count == 1 and reason.startswith(
-        "ValueError: node config attack 'alie' is omniscient: it runs only in the Hydra simulation (it needs "
-        "every honest update of the round); a device plays a client-side attack: backdoor, "), reason
-    assert rows[-1]["accepted"] == 3 and rows[-1]["aggregated"]
+    row = rows[-1]
+    [(reason, count)] = row["client_errors"].items()
+    assert count == 1 and reason == (
+        "ValueError: node config attack 'alie' is omniscient, which only the Hydra simulation runs (it crafts "
+        f"from every honest update); a device plays a client-side attack: {', '.join(attacks.client_names())}, "
+        "or your own")
+    assert row["accepted"] == 3 and row["aggregated"]
+    assert row["dropped_nodes"] == [{"node": 13, "partition": 2, "error": reason}]
+    assert f"    client error x1 (node 13 (partition 2)): {reason}" in reporting.node_lines(row)
+    assert (f"attack '{MODULE}.ScaledReverse' played: this node (partition 1) sends attacked replies, a robustness "
+            "drill (ScaledReverse(factor=-3.0))") in caplog.messages

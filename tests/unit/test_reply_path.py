@@ -853,6 +853,10 @@ def test_a_client_errors_reason_is_its_root_cause_in_one_line() -> None:
     assert error_reason("the node went away") == "the node went away"
     assert error_reason("") == error_reason("\n \n") == "unknown error"
     assert len(error_reason("x" * 1000, limit=50)) == 50
+    # A long one is cut after a word: the round's line does not end in half a name.
+    listed = "ValueError: a device plays a client-side attack: backdoor, gaussian, inf, label_flip, lying_weight"
+    assert error_reason(listed, limit=80) == (
+        "ValueError: a device plays a client-side attack: backdoor, gaussian, inf ...")
 
 
 class _FlakyNetwork(_Network):
