@@ -67,7 +67,7 @@ class Discovery:
                 for reply in self.grid.pull_messages(list(self.pending)):
                     node = self.pending.pop(reply.metadata.reply_to_message_id, None)
                     if node is not None and reply.has_error() and reply.error.code not in _TRANSIENT:
-                        self.failed[node] = error_reason(reply.error.reason, limit=300)
+                        self.failed[node] = error_reason(reply.error.reason)
                     if node is None or reply.has_error() or protocol.INFO not in reply.content.config_records:
                         continue
                     self.failed.pop(node, None)
