@@ -116,7 +116,7 @@ def _node_attack(cfg: RunConfig, attack_cfg: AttackConfig) -> attacks.Attack | N
     except ValueError as err:
         raise ValueError(f"node config attack {attack_cfg.label!r}: {err}") from None
     if attack is not None and attack.omniscient:
-        # The reason first: the server's round line shows the first 200 characters of a device's error.
+        # The reason first: the line under the server's round shows the first 300 characters of a device's error.
         raise ValueError(
             f"node config attack {attack_cfg.label!r} is omniscient, which only the Hydra simulation runs (it "
             f"crafts from every honest update); a device plays a client-side attack: {client_side}, or your own"
