@@ -151,9 +151,6 @@ class InProcessGrid(Grid):
         }
         # Replies waiting to be pulled, by the id of the message they answer.
         self._replies: dict[str, Message] = {}
-        self.messages_delivered = 0
-        self.client_errors = 0
-        self.seconds_in_clients = 0.0
 
     # ------------------------------------------------------------------ run
     def set_run(self, run: Run) -> None:
@@ -229,11 +226,9 @@ class InProcessGrid(Grid):
         """Run the node's ClientApp on a wire copy of ``message``; the reply as the server receives it."""
         context = self._contexts[message.metadata.dst_node_id]
         received = _over_the_wire(message)
-        started = time.perf_counter()
         try:
             reply = self.client_app(received, context)
         except Exception as err:  # any ClientApp failure becomes an error reply, as in Flower
-            self.client_errors += 1
             log.warning(
                 "ClientApp of node %d raised on %s:\n%s",
                 message.metadata.dst_node_id,
@@ -242,9 +237,6 @@ class InProcessGrid(Grid):
             )
             reason = f"{type(err)}:<'{err}'>"
             reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=received)
-        finally:
-            self.seconds_in_clients += time.perf_counter() - started
-            self.messages_delivered += 1
         reply.metadata.__dict__["_message_id"] = reply.object_id
         return _over_the_wire(reply)
 

@@ -37,11 +37,10 @@ _RUNNING = re.compile(r"Running on http://127\.0\.0\.1:(\d+)")
 
 @dataclass
 class LocalS3:
-    """A running moto server: its endpoint, a bucket created in it, and its process id."""
+    """A running moto server: its endpoint and a bucket created in it."""
 
     endpoint_url: str
     bucket: str
-    pid: int
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
@@ -74,7 +73,7 @@ def local_s3(bucket: str = "fedrobust", startup_timeout: float = 60.0) -> Iterat
         port = _wait_for_port(log.name, proc, startup_timeout)
         endpoint = f"http://127.0.0.1:{port}"
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
-        server = LocalS3(endpoint_url=endpoint, bucket=bucket, pid=proc.pid, storage_options=options)
+        server = LocalS3(endpoint_url=endpoint, bucket=bucket, storage_options=options)
         import fsspec
 
         fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)

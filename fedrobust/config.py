@@ -285,9 +285,6 @@ class RunConfig:
         """Flatten to dotted keys with scalar values, as Flower's run config holds them."""
         return _flatten(dataclasses.asdict(self))
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
     def pre_aggregators(self) -> list[str]:
         """The pre-aggregators in order: ``aggregator.pre``'s, then those ``aggregator.name`` joins in front."""
         return self.listed_pre_aggregators() + self.named_stages()[:-1]

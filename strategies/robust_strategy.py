@@ -59,11 +59,11 @@ DUPLICATE_REPLY = "duplicate_reply"
 
 @dataclass
 class ClientUpdate:
-    """One accepted reply: where its update lies in the round's update matrix, and what it claimed."""
+    """One accepted reply: what it claimed. Its update is the row of the round's [n, d] update matrix at its
+    index in the round's list of accepted replies (aggregation order)."""
 
     node_id: int
     partition_id: int
-    row: int  # its row of the round's [n, d] float32 update matrix (aggregation order)
     num_examples: float  # validated: an integer in [1, max_num_examples]
     metrics: dict[str, float]
     sim_byzantine: bool = False
@@ -228,8 +228,6 @@ class RoundIntake:
         rows = sorted(self._accepted)
         self._update_matrix().keep(rows)
         accepted = [self._accepted[row] for row in rows]
-        for index, update in enumerate(accepted):
-            update.row = index
         # Reported in the fixed order too: the round's metrics do not depend on the arrival order.
         place = lambda node: self._rows.get(node, len(self._rows))  # noqa: E731
         self.outcome.rejected_nodes.sort(key=lambda entry: place(entry["node"]))
@@ -1311,7 +1309,6 @@ class RobustStrategy(Strategy):
         return ClientUpdate(
             node_id=node_id,
             partition_id=self.partitions.get(node_id, -1),
-            row=row,
             num_examples=parsed.num_examples,
             metrics=parsed.metrics,
             sim_byzantine=parsed.sim_byzantine,
@@ -1342,10 +1339,7 @@ class RobustStrategy(Strategy):
         if not failed:
             return accepted
         matrix.drop(failed)
-        kept = [u for i, u in enumerate(accepted) if i not in set(failed)]
-        for row, update in enumerate(kept):
-            update.row = row
-        return kept
+        return [u for i, u in enumerate(accepted) if i not in set(failed)]
 
     def _reject(self, server_round: int, node_id: int, outcome: RoundOutcome, rejection: Rejection) -> None:
         outcome.rejected[rejection.reason] += 1
