@@ -48,6 +48,7 @@ import inspect
 import json
 import logging
 import operator
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,10 @@ def import_target(path: str) -> Any:
         for attr in attrs:
             if not hasattr(obj, attr):
                 public = [name for name in dir(obj) if not name.startswith("_")]
+                if missing is not None and missing.name == f"{where}.{attr}":  # a module of the package, misspelt
+                    submodules = [m.name for m in pkgutil.iter_modules(getattr(obj, "__path__", []))]
+                    raise ValueError(f"cannot import {path!r}: no module {where + '.' + attr!r}"
+                                     f"{did_you_mean(attr, submodules + public)}")
                 raise ValueError(f"cannot import {path!r}: {where!r} has no attribute {attr!r}"
                                  f"{did_you_mean(attr, public)}")
             obj = getattr(obj, attr)

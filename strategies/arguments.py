@@ -7,13 +7,15 @@ string from a config file never fails deep inside a comparison or a round, and n
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeGuard
+from typing import Any, ParamSpec, TypeGuard
 
 import numpy as np
 
@@ -29,6 +31,9 @@ from fedrobust.server_optim import NAMES as SERVER_OPTIMIZERS
 from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import SCHEDULES as LR_SCHEDULES
 from fedrobust.signing import TrustStore
+from fedrobust.text import did_you_mean
+
+P = ParamSpec("P")
 
 # Numbers, each optional (None allowed) or not.
 _NUMBERS = (
@@ -48,6 +53,22 @@ _AT_LEAST_ONE = (
     "min_train_nodes", "min_available_nodes", "checkpoint_keep", "checkpoint_full_every", "max_num_examples",
 )
 _AT_LEAST_ZERO = ("num_byzantine", "min_evaluate_nodes", "max_round_retries", "over_select", "seed")
+
+
+def names_misspelt_keywords(init: Callable[P, None]) -> Callable[P, None]:
+    """``init`` refusing an unknown keyword argument with the argument it likely meant: Python's own
+    TypeError names none, where every other wrong argument gets a "did you mean"."""
+    names = [name for name in inspect.signature(init).parameters if name != "self"]
+
+    @functools.wraps(init)
+    def checked_init(*args: P.args, **kwargs: P.kwargs) -> None:
+        for name in kwargs:
+            if name not in names:
+                owner = type(args[0]).__name__ if args else init.__qualname__
+                raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}{did_you_mean(name, names)}")
+        init(*args, **kwargs)
+
+    return checked_init
 
 
 def check(condition: bool, message: str) -> None:

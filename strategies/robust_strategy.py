@@ -41,7 +41,7 @@ from fedrobust.server_optim import PARAMS as SERVER_OPTIMIZER_PARAMS
 from fedrobust.server_optim import ServerOptimizer, lr_factor
 from fedrobust.signing import REASON_DETAILS, TrustStore
 from fedrobust.strategies import arguments
-from fedrobust.strategies.arguments import check, is_number, plain
+from fedrobust.strategies.arguments import check, is_number, names_misspelt_keywords, plain
 from fedrobust.strategies.checkpointing import RUN_SETTINGS_KEY
 from fedrobust.strategies.errors import AggregationError
 from fedrobust.strategies.replies import error_reason, parse_reply
@@ -399,6 +399,7 @@ class RobustStrategy(Strategy):
         settings of an experiment); the strategy's own settings are always included.
     """
 
+    @names_misspelt_keywords
     def __init__(
         self,
         aggregator: str | Callable[..., Any] | aggregators.Aggregator = AggregatorConfig.name,

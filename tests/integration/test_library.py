@@ -950,6 +950,13 @@ def test_constructor_refuses_bad_arguments_with_a_clear_message(kwargs: dict, ne
         RobustStrategy(**kwargs)
 
 
+def test_a_misspelt_keyword_argument_gets_the_one_meant() -> None:
+    with pytest.raises(TypeError) as raised:
+        RobustStrategy("median", 1, max_update_nrom=5.0)
+    assert str(raised.value) == ("RobustStrategy() got an unexpected keyword argument 'max_update_nrom' "
+                                 "(did you mean 'max_update_norm'?)")
+
+
 def test_constructor_takes_numpy_integers_and_warns_about_the_plain_mean_with_f(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
