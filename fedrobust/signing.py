@@ -617,7 +617,8 @@ class TrustStore:
     A key is either bound to a Flower node id up front (`bind`, or ``node_id`` in the binding file),
     or added unbound with the partition it belongs to (`add`, or a ``partition_id``-only binding-file
     entry, as `python -m fedrobust.keygen` writes: node ids are assigned by the SuperLink and unknown
-    when keys are made). An unbound key is pinned to the node of its first verified reply; from then
+    when keys are made). An unbound key is pinned to the node of its first verified reply (the server
+    drops that pin again where the reply then fails validation: `unpin`); from then
     on another node using it is refused, so one key is one identity and a Byzantine operator cannot
     multiply its voice by running many nodes with one trusted key. `release_node` drops first-use pins
     of a node that is gone (a SuperNode that restarts without Flower's node authentication comes back
@@ -763,6 +764,13 @@ class TrustStore:
     def pinned_nodes(self) -> set[int]:
         """The nodes that hold a first-use pin."""
         return {entry.node_id for entry in self._entries.values() if entry.pinned_on_use and entry.node_id is not None}
+
+    def unpin(self, key_id: str) -> None:
+        """Drop the first-use pin of one key (a configured binding stays): the reply that made it failed a
+        later check, so it is not the reply a key's node should be learnt from."""
+        entry = self._entries.get(key_id)
+        if entry is not None and entry.pinned_on_use:
+            entry.node_id, entry.pinned_on_use = None, False
 
     def release_node(self, node_id: int) -> list[str]:
         """Drop the first-use pins of a node that is gone; configured bindings stay.

@@ -1306,6 +1306,7 @@ class RobustStrategy(Strategy):
             # replies would otherwise keep every reply alive until the round ends).
             parsed.release()
         if rejection is not None:
+            self.signatures.unpin_last()
             return rejection
         return ClientUpdate(
             node_id=node_id,

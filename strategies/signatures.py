@@ -39,6 +39,8 @@ class SignatureCheck:
         self.require = require and trust is not None
         self.guard = signing.ReplayGuard(keep_rounds=2)
         self._message_numbers = itertools.count()
+        # The key the last verified reply pinned on its first use, until the next reply is verified.
+        self._pinned_by_last: str | None = None
 
     def nonce(self, node_id: int, server_round: int) -> bytes:
         """A fresh nonce for the message to ``node_id`` in ``server_round``."""
@@ -63,6 +65,7 @@ class SignatureCheck:
         without a copy.
         """
         nonce = record.get(protocol.NONCE) if record is not None else None
+        self._pinned_by_last = None
         if self.trust is None:
             return self.guard.consume(nonce, node_id, server_round) if nonce is not None else None
         key_id = record.get(protocol.KEY_ID) if record is not None else None
@@ -71,7 +74,8 @@ class SignatureCheck:
         claimed = self.trust.partition_id(key_id) if isinstance(key_id, str) else None
         if claimed is not None and node_id in partitions and claimed != partitions[node_id]:
             return signing.REASON_KEY_BOUND_TO_OTHER_NODE
-        return signing.verify_reply(
+        unbound = isinstance(key_id, str) and self.trust.bound_node(key_id) is None
+        reason = signing.verify_reply(
             self.trust,
             self.guard,
             key_id=key_id if isinstance(key_id, str) else None,
@@ -84,6 +88,16 @@ class SignatureCheck:
             arrays=dict(arrays),
             require_signature=self.require,
         )
+        if reason is None and unbound and isinstance(key_id, str) and self.trust.bound_node(key_id) == node_id:
+            self._pinned_by_last = key_id
+        return reason
+
+    def unpin_last(self) -> None:
+        """The reply just verified failed validation: a key it pinned on first use is free again, so that a
+        node whose garbage came first (a stolen key, a broken device) does not lock the key's own node out."""
+        if self.trust is not None and self._pinned_by_last is not None:
+            self.trust.unpin(self._pinned_by_last)
+            self._pinned_by_last = None
 
     def release_gone(self, listed: set[int]) -> None:
         """Free the first-use pins of nodes Flower does not list, so their keys can sign again.

@@ -736,6 +736,47 @@ def test_signing_mod_signs_a_whole_float_count_and_leaves_an_unusable_one_unsign
                      r"key_for\(context\) passed to signing_mod\)\)$", capsys.readouterr().out, re.MULTILINE)
 
 
+def test_a_stolen_key_whose_reply_fails_validation_does_not_lock_its_owner_out() -> None:
+    """Partition 0's device also holds partition 1's key and replies first, with NaN. Its signature verifies,
+    so the key's first-use pin would go to it and the owner be refused as key_bound_to_other_node for the
+    whole run; the pin is dropped with the reply, and the owner's valid reply pins the key in its stead."""
+    from experiments.inprocess import InProcessGrid, _server_identity
+    from fedrobust import signing, signing_mod
+
+    keys = [signing.derive_keypair(9, partition)[0] for partition in range(3)]
+    trust = signing.TrustStore()
+    for partition, key in enumerate(keys):
+        trust.add(key.public_key(), partition_id=partition)
+    app = ClientApp(mods=[signing_mod(lambda context: keys[max(1, int(context.node_config["partition-id"]))])])
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        local = msg.content["arrays"].to_torch_state_dict()
+        if int(context.node_config["partition-id"]) == 0:
+            local = {k: torch.full_like(v, float("nan")) for k, v in local.items()}
+        content = RecordDict({"arrays": ArrayRecord(local), "metrics": MetricRecord({"num-examples": 10})})
+        return Message(content, reply_to=msg)
+
+    class ThiefFirst(InProcessGrid):
+        """Replies handed over in node id order (a SuperLink's order is whatever the network makes it)."""
+
+        def pull_messages(self, message_ids: Any) -> list[Message]:
+            return sorted(super().pull_messages(message_ids), key=lambda reply: reply.metadata.src_node_id)
+
+    thief, owner, other = 101, 102, 103
+    nodes = {thief: {"partition-id": 0, "num-partitions": 3}, owner: {"partition-id": 1, "num-partitions": 3},
+             other: {"partition-id": 2, "num-partitions": 3}}
+    grid = ThiefFirst(app, 3, seed=0, nodes=nodes)
+    strategy = RobustStrategy(aggregator="mean", signing=trust, require_signatures=True, progress=False)
+    with _server_identity(grid.run.run_id):
+        result = strategy.start(grid=grid, initial_arrays=ArrayRecord(make_net().state_dict()), num_rounds=2)
+    first, second = (dict(result.train_metrics_clientapp[r]) for r in (1, 2))
+    assert (first["accepted"], first["rejected.non_finite"]) == (2, 1), first
+    # Round 2: the key is the owner's now; the thief's reply is refused before its NaN is looked at.
+    assert (second["accepted"], second["rejected.key_bound_to_other_node"]) == (2, 1), second
+    assert trust.bound_node(signing.key_id(keys[1].public_key())) == owner
+
+
 def test_signing_mod_signs_the_records_a_strategy_with_other_keys_names() -> None:
     """``weighted_by_key`` and ``arrayrecord_key`` as in FedAvg: the server names them in the train config,
     and the mod signs the count and arrays under those names (a second ArrayRecord makes the name matter)."""

@@ -130,6 +130,16 @@ def test_key_bound_to_another_node(fed: Federation) -> None:
     assert fed.verify(reply) == REASON_KEY_BOUND_TO_OTHER_NODE
 
 
+def test_unpin_frees_a_first_use_pin_and_leaves_a_configured_binding(fed: Federation) -> None:
+    assert fed.verify(fed.reply(0, node_id=11, rnd=1, nonce=fed.send(11, 1))) is None
+    fed.store.unpin(key_id(fed.keys[0][1]))
+    assert fed.verify(fed.reply(0, node_id=12, rnd=1, nonce=fed.send(12, 1))) is None  # pinned to 12 now
+    _, configured = generate_keypair()
+    fed.store.bind(5, configured)
+    fed.store.unpin(key_id(configured))
+    assert fed.store.bound_node(key_id(configured)) == 5
+
+
 def test_key_pinned_on_first_use_is_refused_to_another_node(fed: Federation) -> None:
     assert fed.verify(fed.reply(0, node_id=11, rnd=1, nonce=fed.send(11, 1))) is None
     # Node 12 holds partition 0's key too (a Byzantine operator running two nodes on one identity).
