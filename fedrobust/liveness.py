@@ -122,12 +122,15 @@ class LivenessTracker:
         self._resumed = False  # set by forget_heard (a resume) until the next node list
 
     # ------------------------------------------------------------------------------------- events
-    def observe_node(self, node_id: int, *, online: bool, now: float | None = None) -> None:
+    def observe_node(
+        self, node_id: int, *, online: bool, now: float | None = None, reason: str = "reported offline"
+    ) -> None:
         """Record what Flower's node list (``grid.get_nodes()``) says about a node.
 
         Offline marks the node dead at once and keeps it excluded while offline. Online after offline
         makes it alive again with its counters reset; online otherwise changes nothing (a connected node
-        that misses deadlines is still suspected or dead).
+        that misses deadlines is still suspected or dead). ``reason`` says in the log why it is offline
+        (part of the documented contract, docs/contracts.md).
         """
         node = self._node(node_id)
         if online:
@@ -140,7 +143,7 @@ class LivenessTracker:
             return
         node.offline = True
         if node.status != "dead":
-            logger.info("node %d reported offline: marked dead", node_id)
+            logger.info("node %d %s: marked dead", node_id, reason)
             self._kill(node, self._round)
 
     def observe_listed(self, listed: Iterable[int]) -> list[int]:
