@@ -2,9 +2,10 @@
 
 The study stores it with each result that ran a component of the user's own (``_target_``), so that after
 an edit the same command runs those results again. Imports are followed as the source states them
-(``import x``, ``from x import y``, relative ones too), so that a helper module next to the component
-counts; the standard library, installed packages and fedrobust itself do not: they are not the user's
-code, and reading torch's sources for every result would cost seconds.
+(``import x``, ``from x import y``, relative ones too, and ``importlib.import_module("x")`` or
+``__import__("x")`` with the name written out), so that a helper module next to the component counts;
+the standard library, installed packages and fedrobust itself do not: they are not the user's code,
+and reading torch's sources for every result would cost seconds.
 """
 
 from __future__ import annotations
@@ -70,10 +71,13 @@ def _module_file(module: ModuleType) -> Path | None:
 
 def _imported_names(tree: ast.Module, package: str) -> list[str]:
     """Every module name an import statement of ``tree`` may load (``from p import q``: ``p`` and ``p.q``,
-    which is a module or an attribute of ``p``)."""
+    which is a module or an attribute of ``p``), and every name ``import_module`` or ``__import__`` is
+    called with as a string literal; with the packages above each."""
     names: list[str] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and (name := _literal_import(node, package)):
+            names.append(name)
+        elif isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             try:
@@ -82,7 +86,27 @@ def _imported_names(tree: ast.Module, package: str) -> list[str]:
             except (ImportError, ValueError):
                 continue  # a relative import past the top: it would fail when the module runs
             names += [base] + [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"]
-    return [name for name in names if name]
+    # Loading ``p.q`` runs ``p/__init__.py`` first.
+    parents = [name.rsplit(".", k)[0] for name in names for k in range(name.count("."), 0, -1)]
+    return [name for name in dict.fromkeys(parents + names) if name]
+
+
+def _literal_import(call: ast.Call, package: str) -> str | None:
+    """The module ``call`` loads when it is ``import_module("x")`` (any receiver, so ``importlib.`` too, and
+    ``".x"`` relative to this module's package) or ``__import__("x")``; else None."""
+    func = call.func
+    callee = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    first = call.args[0] if call.args else None
+    if callee not in ("import_module", "__import__") or not isinstance(first, ast.Constant):
+        return None
+    if not isinstance(first.value, str) or not first.value:
+        return None
+    if not first.value.startswith("."):
+        return first.value
+    try:  # import_module(".x", package=__package__): relative to the module's own package
+        return importlib.util.resolve_name(first.value, package) if callee == "import_module" else None
+    except (ImportError, ValueError):
+        return None
 
 
 def _user_source(name: str) -> Path | None:

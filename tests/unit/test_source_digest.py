@@ -23,6 +23,18 @@ FILES = {
     "frd_pkg/unused.py": "NOT_IMPORTED = True\n",
     "frd_top.py": "VALUE = 1\n",
     "frd_alone.py": "from fedrobust.attacks import Attack\n\nclass Alone(Attack):\n    pass\n",
+    # Modules loaded by name: written out (followed), relative to the package, and computed (not followed).
+    "frd_dyn/__init__.py": "",
+    "frd_dyn/rule.py": (
+        "import importlib\nfrom importlib import import_module\n\n"
+        "WEIGHTS = importlib.import_module('frd_dyn.weights')\nNEAR = import_module('.near', package=__package__)\n"
+        "OLD = __import__('frd_dyn_old')\nLATER = importlib.import_module('frd_dyn.' + 'computed')\n\n"
+        "class Rule:\n    pass\n"
+    ),
+    "frd_dyn/weights.py": "W = 1\n",
+    "frd_dyn/near.py": "N = 1\n",
+    "frd_dyn/computed.py": "C = 1\n",
+    "frd_dyn_old.py": "O = 1\n",
 }
 
 
@@ -33,7 +45,7 @@ def user_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (tmp_path / name).write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
-    for name in [m for m in sys.modules if m.startswith(("frd_pkg", "frd_top", "frd_alone"))]:
+    for name in [m for m in sys.modules if m.startswith(("frd_pkg", "frd_top", "frd_alone", "frd_dyn"))]:
         del sys.modules[name]
 
 
@@ -71,3 +83,15 @@ def test_an_installed_component_is_its_own_file_without_the_installed_modules_it
 
     [path] = own_source_files(torch.nn.modules.linear)
     assert path.name == "linear.py" and source_digest("torch.nn.Linear") != ""
+
+
+def test_modules_loaded_by_a_name_written_out_count_too(user_dir: Path) -> None:
+    import frd_dyn.rule
+
+    names = sorted(str(path.relative_to(user_dir.resolve())) for path in own_source_files(frd_dyn.rule))
+    # import_module with a literal (absolute, or relative with package=) and __import__; not a computed name.
+    assert names == ["frd_dyn/__init__.py", "frd_dyn/near.py", "frd_dyn/rule.py", "frd_dyn/weights.py",
+                     "frd_dyn_old.py"]
+    before = source_digest("frd_dyn.rule.Rule")
+    (user_dir / "frd_dyn/weights.py").write_text("W = 2\n")
+    assert source_digest("frd_dyn.rule.Rule") != before
