@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from fedrobust.text import did_you_mean
+
 RESUME_MODES = ("auto", "never")
 # checkpoint.every_rounds takes an integer or this keyword (adaptive Young/Daly interval).
 CHECKPOINT_INTERVAL_AUTO = "auto"
@@ -379,7 +381,8 @@ def _build(cls: type, values: Mapping[str, Any], path: str, problems: list[str])
         # Hydra's instantiate takes a component's arguments beside _target_; here they go in its params table.
         params = (f" (arguments of the {path} go in {path}.params: e.g. +{path}.params.{unknown[0]}=...)"
                   if "params" in names and "_target_" in names else "")
-        problems.append(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(names)}{params}")
+        meant = did_you_mean(unknown[0], names) if len(unknown) == 1 else ""
+        problems.append(f"{where}: unknown key(s) {unknown}{meant}; valid keys: {sorted(names)}{params}")
     kwargs: dict[str, Any] = {}
     for name, value in values.items():
         if name not in names:

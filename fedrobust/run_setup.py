@@ -7,6 +7,7 @@ instead of minutes into a run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -249,13 +250,27 @@ def _check_components(cfg: RunConfig, problems: list[str]) -> None:
         f = cfg.num_byzantine
         key, what = "num_byzantine", f"f={f} is too large"
         value: Any = f
+        fits = ""
         if cfg.aggregator.params and aggregators.build(cfg.rule(), f=f).min_n() <= cfg.clients_per_round:
             key, value, what = "aggregator.params", cfg.aggregator.params, f"with f={f} these are too large"
+        elif (largest := _largest_f(cfg)) is not None:
+            fits = f" (num_byzantine={largest} fits)"
         _problem(
             problems, key, value,
             f"{what} for {rule_label}: it needs at least {need} replies per round, but "
-            f"clients_per_round={cfg.clients_per_round}",
+            f"clients_per_round={cfg.clients_per_round}{fits}",
         )
+
+
+def _largest_f(cfg: RunConfig) -> int | None:
+    """The largest f below ``num_byzantine`` that the configured rule takes with ``clients_per_round`` replies."""
+    for f in range(cfg.num_byzantine - 1, -1, -1):
+        try:
+            if build_aggregator(dataclasses.replace(cfg, num_byzantine=f)).min_n() <= cfg.clients_per_round:
+                return f
+        except (TypeError, ValueError):  # parameters that need a larger f
+            continue
+    return None
 
 
 def _check_dataset(cfg: RunConfig, problems: list[str]) -> data.DatasetSpec | None:

@@ -84,7 +84,8 @@ def plain(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
 def check_keys(name: str, given: Mapping[str, Any] | None, valid: Sequence[str]) -> None:
     """ValueError naming the keys of ``given`` that are not ``valid``, and the valid ones."""
     unknown = sorted(set(given or {}) - set(valid))
-    check(not unknown, f"{name}: unknown key(s) {unknown}; valid keys: {list(valid)}")
+    meant = did_you_mean(unknown[0], valid) if len(unknown) == 1 else ""
+    check(not unknown, f"{name}: unknown key(s) {unknown}{meant}; valid keys: {list(valid)}")
 
 
 def is_number(value: object) -> TypeGuard[numbers.Real]:

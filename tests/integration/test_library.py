@@ -962,7 +962,8 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         ({"num_byzantine": True}, r"^num_byzantine must be an integer, got True \(bool\)$"),
         ({"fraction_train": 0.0}, r"fraction_train must be in \(0, 1\], got 0.0: RobustStrategy trains in every"),
         ({"server_optimizer": "fedadam", "server_optimizer_params": {"beta1": 0.9}},
-         r"server_optimizer_params of fedadam: unknown key\(s\) \['beta1'\]; valid keys: \['beta_1', 'beta_2'"),
+         r"server_optimizer_params of fedadam: unknown key\(s\) \['beta1'\] \(did you mean 'beta_1'\?\); valid keys: "
+         r"\['beta_1', 'beta_2'"),
         ({"server_optimizer_params": {"momentum": 0.9}},  # fedavg has no momentum: it would do nothing
          r"server_optimizer_params of fedavg: unknown key\(s\) \['momentum'\]; valid keys: \[\]"),
         ({"server_optimizer": "fedavgm", "server_optimizer_params": {"momentum": "0.9"}},
@@ -972,7 +973,8 @@ def test_flower_s_metrics_aggregation_functions_are_taken_as_fedavg_takes_them()
         ({"weighted_by_key": None}, r"^weighted_by_key must be a record or metric name, got None"),
         ({"train_metrics_aggr_fn": "mean"}, r"^train_metrics_aggr_fn must be a function or None, got 'mean'"),
         ({"metrics_path": 123}, r"^metrics_path must be a path or None, got 123 \(int\)"),
-        ({"liveness": {"dead_afterr": 3}}, r"liveness: unknown key\(s\) \['dead_afterr'\]; valid keys: .*'dead_after'"),
+        ({"liveness": {"dead_afterr": 3}},
+         r"liveness: unknown key\(s\) \['dead_afterr'\] \(did you mean 'dead_after'\?\); valid keys: .*'dead_after'"),
         ({"aggregator": "median", "pre": [{"threshold": 5}]}, r"pre-aggregator \{'threshold': 5\} has no 'name'"),
         ({"checkpoint_dir": 5}, r"^checkpoint_dir must be a path or None, got 5 \(int\)"),
         ({"metrics_path": "/tmp"}, r"^metrics_path must be a file \(one JSON line per round\), got the directory"),

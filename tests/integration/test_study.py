@@ -185,7 +185,8 @@ def test_report_tools_refuse_directories_and_rules_that_are_not_there(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--set", "num_clinets=3"], "--set num_clinets=3: unknown key; valid keys in run config:"),
+        (["--set", "num_clinets=3"],
+         "--set num_clinets=3: unknown key (did you mean 'num_clients'?); valid keys in run config:"),
         (["--set", "client.lr=abc"], "--set client.lr=abc: must be a number"),
         (["--set", "attack.params.scale=4"], "To append to your config use +attack.params.scale=4"),
         (["--jobs", "0"], "jobs must be >= 1, got 0"),

@@ -399,7 +399,8 @@ def test_a_pipeline_out_of_order_says_the_order(
          "server_optimizer.momentum=0.5: server_optimizer=fedavg does not use it (only fedavgm)"),
         ("fault={bogus:30}", "fault.bogus=30: unknown key; valid keys in fault: "),
         # A misspelled section in the middle of a key: the section that lacks it is named, with its keys.
-        ("aggregator.parms.alpha=1", "aggregator.parms.alpha=1: unknown key; valid keys in aggregator: ['_target_', "),
+        ("aggregator.parms.alpha=1",
+         "aggregator.parms.alpha=1: unknown key (did you mean 'params'?); valid keys in aggregator: ['_target_', "),
         ("fault={round_timeout:abc}", "fault.round_timeout=abc: must be a number"),
         ("attack=mimic +attack.params.target=20", "attack.params.target=20: must be the row of an honest reply, "
                                                   "in [0, 15]"),
@@ -471,13 +472,14 @@ def test_a_type_problem_comes_with_the_range_problems_of_the_other_values(
         "num_rounds=0: must be >= 1",
         "num_byzantine=4: must be < num_clients (3)",
         "num_byzantine=4: f=4 is too large for consistency+direction+dedup+winsorize+nnm+trimmed_mean: it needs "
-        "at least 9 replies per round, but clients_per_round=3",
+        "at least 9 replies per round, but clients_per_round=3 (num_byzantine=1 fits)",
         "fault.round_timeout=-5.0: must be > 0 and finite",
     ]
     outcome = _cli(["aggregator=krum", "num_clients=5", "seed=1.5"], monkeypatch)
     assert [line.strip() for line in outcome.stderr.splitlines()[1:]] == [
         "seed=1.5: must be an integer",
-        "num_byzantine=4: f=4 is too large for krum: it needs at least 11 replies per round, but clients_per_round=5",
+        "num_byzantine=4: f=4 is too large for krum: it needs at least 11 replies per round, but clients_per_round=5 "
+        "(num_byzantine=1 fits)",
     ], outcome.stderr
 
 
