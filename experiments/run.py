@@ -247,7 +247,11 @@ def override_problems(args: Sequence[str], dirs: Sequence[Path] | None = None) -
         value = override.value()
         if hint is KeyError:
             if not override.is_add():
-                problems.append(f"{key}={format_value(value)}: unknown key; valid keys in {section}: {valid}")
+                typed = key.split(".")[0 if section == "run config" else section.count(".") + 1]
+                problems.append(
+                    f"{key}={format_value(value)}: unknown key{did_you_mean(typed, valid)}; valid keys in {section}: "
+                    f"{valid}"
+                )
             continue
         is_group = dataclasses.is_dataclass(hint) and (CONF_DIR / key).is_dir()
         names = _group_choices(key, dirs) if is_group else None
@@ -532,6 +536,9 @@ def main(cfg: DictConfig) -> float:
         job = HydraConfig.get().job
         JOB_RESULTS.append(f"job {job.num} ({job.override_dirname or 'no overrides'}): accuracy {final:.4f}, "
                            f"loss {loss:.4f} after {len(rows)} rounds ({out_dir})")
+    else:  # Hydra picks the folder (outputs/<date>/<time>): say where it is
+        written = ", ".join(sorted(p.name for p in out_dir.iterdir() if p.is_file()))
+        print(f"fedrobust: outputs in {out_dir}: {written}", flush=True)
     return final
 
 

@@ -169,6 +169,9 @@ def test_every_stop_then_kill9_then_corruption_still_resume_to_identical_bytes(t
         # run_simulation, which the user of the command line can do nothing about.
         assert log.count(f"[round  {ROUNDS}/{ROUNDS}]") == 1 and log.count("final accuracy") == 1, fifth.tail()
         assert "DEPRECATED FEATURE" not in log, fifth.tail()
+        # The last line names the run's folder and what it holds.
+        said = log.rstrip().splitlines()[-1]
+        assert said.startswith(f"fedrobust: outputs in {run_dir}: ") and "final_model.safetensors" in said, said
         assert (run_dir / "final_model.safetensors").read_bytes() == reference.result()
         # The killed writer's leftovers were cleaned up; the corrupt checkpoint is kept aside, as it was.
         assert committed(ckpt, kept_aside=1) == ROUNDS
