@@ -611,15 +611,23 @@ _SET_BY_ATTACKS = frozenset({"attack", "attack.name", "attack._target_"})
 
 def argument_problems(rules: Iterable[str], attacks: Iterable[str]) -> list[str]:
     """What is wrong with ``--rules`` and ``--attacks``, one line each (empty: nothing)."""
+    from fedrobust.components import import_target
+
     problems = []
+    # Components of the user's own are imported here too, so that a misspelt one is said with the rest
+    # (their contracts are checked when the runs' configs are composed).
     for rule in rules:
         try:
             pipeline_of(rule)
+            if is_user_rule(last := rule.split("+")[-1]):
+                import_target(last)
         except ValueError as err:
             problems.append(f"--rules: {err}")
     for attack in attacks:
         try:
             attack_overrides(attack)
+            if is_user_rule(attack):
+                import_target(attack)
         except ValueError as err:
             problems.append(f"--attacks: {err}")
     return problems

@@ -843,8 +843,9 @@ def check_attack(attack: Attack, *, h: int = 6, f: int = 2, d: int = 5) -> None:
     if shape != (f, d):
         returned = f"shape {shape}" if shape is not None else f"a {type(crafted).__name__}"
         raise ValueError(
-            f"{name}: contract check: craft_round must return the {f} Byzantine rows, shape ({f}, {d}) for {h} "
-            f"honest rows of {d} coordinates (craft: [h, d] -> [f, d]); it returned {returned}"
+            f"{name}: contract check on a random round of {h} honest and {f} Byzantine rows of {d} coordinates (the "
+            f"check's own small round, not the run's): craft_round must return the {f} Byzantine rows, shape "
+            f"({f}, {d}) (craft: [h, d] -> [f, d]); it returned {returned}"
         )
     if not torch.equal(rows, before):
         raise ValueError(f"{name}: contract check: craft_round changed the rows it was given; return new rows")

@@ -123,8 +123,9 @@ def test_an_attack_tuned_to_the_servers_rule_is_tuned_to_a_user_rule_with_its_pa
          r"its clients would behave honestly"),
         ({"attack._target_": f"{MODULE}.not_an_attack"}, r"not_an_attack\(scale=1\.0\) returned a float; expected"),
         ({"attack._target_": f"{MODULE}.OneRowForAll"},
-         r"OneRowForAll: contract check: craft_round must return the 2 Byzantine rows, shape \(2, 5\) for 6 honest "
-         r"rows of 5 coordinates \(craft: \[h, d\] -> \[f, d\]\); it returned shape \(5,\)"),
+         r"OneRowForAll: contract check on a random round of 6 honest and 2 Byzantine rows of 5 coordinates \(the "
+         r"check's own small round, not the run's\): craft_round must return the 2 Byzantine rows, shape \(2, 5\) "
+         r"\(craft: \[h, d\] -> \[f, d\]\); it returned shape \(5,\)"),
         ({"attack._target_": f"{MODULE}.ScaledReverse", "attack.name": "sign_flip"},
          rf"attack\.name=sign_flip: and attack\._target_={MODULE}\.ScaledReverse both pick an attack: keep one"),
         ({"attack._target_": f"{MODULE}.ScaledReverse", "num_byzantine": 0},

@@ -34,6 +34,19 @@ def test_unknown_rules_and_attacks_are_refused_with_the_choices(tmp_path, capsys
     assert not (tmp_path / "out").exists()  # nothing ran, nothing written
 
 
+def test_components_of_your_own_that_do_not_import_are_said_with_the_other_problems(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        study.main(["--rules", "median", "nnm+fr_no_such_pkg.rules.MyRule", "--attacks", "none", "sign_flp",
+                    "fr_no_such_pkg.attacks.MyAttack", "--partitions", "iid", "--seeds", "0",
+                    "--out", str(tmp_path / "out")])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == ["--rules", "--attacks", "--attacks"], lines
+    assert "cannot import 'fr_no_such_pkg.rules.MyRule'" in lines[0] and "'sign_flp'" in lines[1]
+    assert "cannot import 'fr_no_such_pkg.attacks.MyAttack'" in lines[2]
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_invalid_run_configuration_exits_2_with_every_problem(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as stopped:
         study.main(["--rules", "nope+mean", "--attacks", "none", "--set", "client.lr=-1", "--partitions", "iid",
