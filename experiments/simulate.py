@@ -251,8 +251,8 @@ def _watch_teardown(
     def stuck() -> None:
         _report_signals(signals)
         log.warning(
-            "the simulation engine has not shut down %.0f s after the stop (Ray's processes got the stop "
-            "signal too); not waiting for it",
+            "the simulation engine has not shut down %.0f s after the stop (Ray may be stuck, or gone where "
+            "the signal reached its processes too); not waiting for it",
             STOP_TEARDOWN_TIMEOUT,
         )
         on_stuck_stop(stopped)

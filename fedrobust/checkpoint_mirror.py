@@ -130,11 +130,13 @@ class MirroredStore:
                 self._cond.wait(remaining)
         return True
 
-    def close(self, upload_timeout: float | None = 60.0) -> None:
+    def close(self, upload_timeout: float | None = 60.0) -> list[int]:
         """Flush the local write, give uploads up to ``upload_timeout`` seconds, stop the upload thread.
 
-        Checkpoints still not uploaded then are logged at WARNING; they remain in the local store.
+        Returns the rounds whose checkpoints were still not uploaded then (also logged at WARNING); they
+        remain in the local store.
         """
+        left: list[int] = []
         try:
             self.local.close()
         finally:
@@ -153,6 +155,7 @@ class MirroredStore:
                 thread.join()
             with self._cond:
                 self._closing = False
+        return left
 
     def _enqueue(self, committed: CommittedFiles) -> None:
         with self._cond:

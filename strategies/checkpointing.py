@@ -48,6 +48,11 @@ SETTINGS_KEY = "settings"
 INTERVAL_KEY = "interval"
 
 
+# How long a run waits for the mirror's uploads at its end, and when it is stopping.
+END_UPLOAD_SECONDS = 60.0
+STOP_UPLOAD_SECONDS = 10.0
+
+
 class NoValidCheckpointError(RuntimeError):
     """Checkpoints exist but none verifies; resuming silently from round 1 would lose the run."""
 
@@ -129,6 +134,7 @@ class RoundCheckpointer:
             if where is not None:
                 _check_writable(where)
         self.store: CheckpointStore | MirroredStore | None = None
+        self.not_uploaded: list[int] = []  # rounds the mirror had not uploaded when the store was closed
         if url is not None:
             remote_options = dict(storage_options) if storage_options else None
             try:
@@ -396,13 +402,22 @@ class RoundCheckpointer:
             )
         return checkpoint
 
-    def close(self) -> None:
+    def close(self, *, stopping: bool = False) -> None:
         """Flush the last write. Its failure (a full disk) is logged, not raised: the run's model is intact in
-        memory, and the caller still writes it; only a resume would start from an older round."""
+        memory, and the caller still writes it; only a resume would start from an older round.
+
+        A mirror gets :data:`END_UPLOAD_SECONDS` (a minute) for its uploads, or :data:`STOP_UPLOAD_SECONDS`
+        when the run is ``stopping`` (a scheduler's grace period after its signal is often 30 s, and the
+        checkpoint is on the local disk already). The rounds it had not uploaded by then are kept in
+        :attr:`not_uploaded`.
+        """
         if self.store is None:
             return
         try:
-            self.store.close()
+            if isinstance(self.store, MirroredStore):
+                self.not_uploaded = self.store.close(STOP_UPLOAD_SECONDS if stopping else END_UPLOAD_SECONDS)
+            else:
+                self.store.close()
         except Exception as err:
             newest = self.newest_round()
             log.error(

@@ -203,7 +203,7 @@ class RoundLoop:
                 raise
             raise stopped from err
         finally:
-            self.checkpointer.close()
+            self.checkpointer.close(stopping=self.strategy.stop_requested)
         self.result.arrays = arrays
         self.metrics.finish(time.perf_counter() - started, first_round, self._checkpoint_notes())
         return self.result
@@ -214,12 +214,17 @@ class RoundLoop:
         last = self.metrics.rows[-1]["round"] if self.metrics.rows else 0
         if self.strategy.checkpoint_dir is None or last == 0:
             return []
+        notes = []
+        if left := self.checkpointer.not_uploaded:
+            notes.append(f"MIRROR BEHIND: the checkpoint(s) of round(s) {left} were not uploaded to "
+                         f"{self.strategy.checkpoint_mirror} (the upload errors are logged above); they are on the "
+                         "local disk")
         newest = self.checkpointer.newest_round()
         if newest == last:
-            return []
+            return notes
         return [f"CHECKPOINTS FAILED: the newest checkpoint on disk is "
                 f"{'none' if newest is None else f'of round {newest}'}, the run ended after round {last} (the "
-                "write errors are logged above); the final model is in this run's result"]
+                "write errors are logged above); the final model is in this run's result", *notes]
 
     def _rounds(self, arrays: ArrayRecord, first_round: int) -> ArrayRecord:
         s = self.strategy

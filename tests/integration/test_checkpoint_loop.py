@@ -70,6 +70,26 @@ def test_resume_from_the_mirror_after_the_local_directory_is_lost(
     assert CheckpointStore(str(local)).rounds()[-1] == 4  # local writing went on after the resume
 
 
+def test_a_run_whose_mirror_never_answers_trains_and_its_summary_says_the_mirror_is_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fedrobust.strategies import checkpointing
+
+    monkeypatch.setattr(checkpointing, "END_UPLOAD_SECONDS", 1.0)  # the run's end waits a minute otherwise
+    # An S3 endpoint where nothing listens: every upload fails at once.
+    for name, value in {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+                        "AWS_SECRET_ACCESS_KEY": "x", "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    cfg = small_config(tmp_path / "a", num_rounds=2, **{"checkpoint.dir": str(tmp_path / "ckpt"),
+                                                         "checkpoint.mirror": "s3://nobucket/run"})
+    with caplog.at_level(logging.INFO):
+        rows = run_inprocess(cfg, Path(cfg.output_dir))
+    assert [r["round"] for r in rows] == [1, 2]
+    assert CheckpointStore(str(tmp_path / "ckpt")).rounds() == [1, 2]
+    [said] = [m for m in caplog.messages if m.startswith("MIRROR BEHIND")]
+    assert "round(s) [2] were not uploaded to s3://nobucket/run" in said and "on the local disk" in said, said
+
+
 # ------------------------------------------------------------------------------------------- incremental
 def test_incremental_checkpoints_resume_from_a_delta_to_identical_bytes(
     tmp_path: Path, uninterrupted_4_rounds: bytes

@@ -307,3 +307,29 @@ def test_mirror_of_an_incremental_store_uploads_whole_chains(tmp_path, s3: Local
     checkpoint = CheckpointStore(s3_url, storage_options=s3.storage_options).latest_valid()
     assert checkpoint is not None and checkpoint.round == 4
     _assert_same(checkpoint.tensors, states[4])
+
+
+def test_a_stopping_run_waits_seconds_for_an_unreachable_mirror_and_says_what_it_left(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a scheduler's signal the grace period is short (Slurm and Kubernetes: 30 s), and Ray's driver
+    fails on its own after 60 s once its control store is gone: a stop must not wait a minute for uploads."""
+    from fedrobust.strategies import checkpointing
+    from fedrobust.strategies.checkpointing import RoundCheckpointer
+
+    assert checkpointing.STOP_UPLOAD_SECONDS <= 10
+    monkeypatch.setattr(checkpointing, "STOP_UPLOAD_SECONDS", 1.5)  # the test's own, shorter wait
+
+    options = {"key": "x", "secret": "x", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    options["config_kwargs"] = {"connect_timeout": 0.2, "retries": {"max_attempts": 1}}
+    checkpointer = RoundCheckpointer(
+        str(tmp_path / "local"), settings={"seed": 0}, mirror="s3://nobucket/run", storage_options=options
+    )
+    assert checkpointer.store is not None
+    checkpointer.store.save(1, _tensors(1), {"round": 1})
+    start = time.monotonic()
+    checkpointer.close(stopping=True)
+    waited = time.monotonic() - start
+    assert 1.4 < waited < 10, waited  # not the minute of a run's end
+    assert checkpointer.not_uploaded == [1]
+    assert checkpointer.newest_round() == 1  # on the local disk, for the resume
