@@ -664,7 +664,9 @@ class CheckpointStore:
             r for r, name in self._list_round_dirs() if self._fs.exists(self._join(name, MANIFEST_FILE))
         )
 
-    def latest_valid(self, config_hash: str | None = None, *, force: bool = False) -> Checkpoint | None:
+    def latest_valid(
+        self, config_hash: str | None = None, *, force: bool = False, say: bool = True
+    ) -> Checkpoint | None:
         """Load the newest checkpoint that passes verification.
 
         Checkpoints are tried newest first. One without a manifest (a write that never finished), with a
@@ -679,6 +681,9 @@ class CheckpointStore:
             saved with the same ``meta["config_hash"]``.
         force : bool, default False
             Load the checkpoint even if its config hash differs (a warning is logged).
+        say : bool, default True
+            Log each checkpoint skipped (``False``: a check ahead of the load that will say it; the reasons
+            are in :attr:`skipped` either way).
 
         Returns
         -------
@@ -693,17 +698,18 @@ class CheckpointStore:
         """
         self.skipped, self.failed = [], []
         for round_, name in sorted(self._list_round_dirs(), reverse=True):
-            checkpoint = self._try_load(round_, name)
+            checkpoint = self._try_load(round_, name, say=say)
             if checkpoint is not None:
                 return check_config_hash(checkpoint, config_hash, force)
         return None
 
-    def _try_load(self, round_: int, name: str) -> Checkpoint | None:
+    def _try_load(self, round_: int, name: str, *, say: bool = True) -> Checkpoint | None:
         try:
             return self._load_verified(round_, name)
         except (_InvalidCheckpoint, OSError, ValueError, SafetensorError) as exc:
             where = self._display(self._join(name))
-            logger.warning("skipping checkpoint %s: %s", where, exc)
+            if say:
+                logger.warning("skipping checkpoint %s: %s", where, exc)
             self.skipped.append(f"{where}: {exc}")
             with contextlib.suppress(Exception):  # a write that never finished (no manifest) is no evidence
                 if self._fs.exists(self._join(name, MANIFEST_FILE)):

@@ -234,10 +234,12 @@ class MirroredStore:
             logger.warning("cannot list the mirror %s: %s", self.remote.url, exc)
             return []
 
-    def latest_valid(self, config_hash: str | None = None, *, force: bool = False) -> Checkpoint | None:
+    def latest_valid(
+        self, config_hash: str | None = None, *, force: bool = False, say: bool = True
+    ) -> Checkpoint | None:
         """Load the newest checkpoint that verifies in either store (see :meth:`CheckpointStore.latest_valid`).
 
-        An unreachable remote is logged at WARNING and only the local store is searched.
+        An unreachable remote is logged at WARNING (with ``say``) and only the local store is searched.
         """
         candidates: list[tuple[int, int, CheckpointStore, str]] = []
         self.local.skipped, self.remote.skipped = [], []
@@ -246,12 +248,13 @@ class MirroredStore:
             try:
                 listed = store._list_round_dirs()
             except Exception as exc:
-                logger.warning("cannot list %s: %s", store.url, exc)
+                if say:
+                    logger.warning("cannot list %s: %s", store.url, exc)
                 continue
             candidates += [(round_, preference, store, name) for round_, name in listed]
         for round_, _, store, name in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
             try:
-                checkpoint = store._try_load(round_, name)
+                checkpoint = store._try_load(round_, name, say=say)
             except Exception as exc:
                 logger.warning("cannot load %s from %s: %s", name, store.url, exc)
                 continue

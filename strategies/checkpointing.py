@@ -320,7 +320,7 @@ class RoundCheckpointer:
                 self.interval.load_state_dict(meta[INTERVAL_KEY], checkpoint.round)
             self.interval.record_restart()
             log.info("checkpoint interval after resume: %r", self.interval)
-        log.info("resuming after round %d from %s", checkpoint.round, checkpoint.path)
+        log.debug("resuming after round %d from %s", checkpoint.round, checkpoint.path)  # the report says it
         return ResumePoint(
             round=checkpoint.round,
             global_state={k: v.clone() for k, v in groups["model"].items()},
@@ -353,7 +353,7 @@ class RoundCheckpointer:
         """The newest checkpoint that verifies, checked against this run's settings and ``model``; None when
         there is none. ``say``: log what is not compared and a forced resume (once, by the resume itself)."""
         assert self.store is not None
-        checkpoint = self.store.latest_valid(None)
+        checkpoint = self.store.latest_valid(None, say=say)
         if checkpoint is None:
             if self.store.rounds():
                 where = self.url if self.mirror is None else f"{self.url} or its mirror {self.mirror}"
@@ -380,7 +380,7 @@ class RoundCheckpointer:
             log.warning("checkpoint %s records no %s (saved by an earlier version): not compared",
                         checkpoint.path, ", ".join(said))
         if meta.get(CONFIG_HASH_KEY) != config_hash(current):
-            differ = _differences(saved, current)
+            differ = _said_once(_differences(saved, current))
             message = (
                 f"checkpoint {checkpoint.path} (round {checkpoint.round}) was saved with other settings: "
                 + ("; ".join(differ) if differ else "settings hash differs")
@@ -489,6 +489,14 @@ def _differences(saved: Mapping[str, Any], current: Mapping[str, Any], prefix: s
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
+
+
+def _said_once(differ: list[str]) -> list[str]:
+    """The differences, without a strategy setting's line where the run config's says the same change
+    (``seed: 0 -> 1`` beside ``run.seed: 0 -> 1``): the run config's keys are the ones the user typed."""
+    in_run = {line.split(": ", 1)[1] for line in differ if line.startswith(f"{RUN_SETTINGS_KEY}.")}
+    return [line for line in differ
+            if line.startswith(f"{RUN_SETTINGS_KEY}.") or line.split(": ", 1)[1] not in in_run]
 
 
 def model_differences(saved: Mapping[str, torch.Tensor], model: Mapping[str, Any], shown: int = 4) -> list[str]:

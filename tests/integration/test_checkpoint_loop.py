@@ -59,11 +59,11 @@ def test_resume_from_the_mirror_after_the_local_directory_is_lost(
 
         shutil.rmtree(local)  # the server's disk is gone; only the mirror holds the run
         resumed = small_config(tmp_path / "b", num_rounds=4, **overrides)
-        with caplog.at_level(logging.INFO, logger="fedrobust.strategies.checkpointing"):
+        with caplog.at_level(logging.INFO, logger="fedrobust.strategies.reporting"):
             rows = run_inprocess(resumed, Path(resumed.output_dir))
         assert remote.rounds()[-1] == 4
 
-    assert any("resuming after round 2" in m and s3.bucket in m for m in caplog.messages), caplog.messages
+    assert any("resumed after round 2" in m and s3.bucket in m for m in caplog.messages), caplog.messages
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert _blocking_rounds(rows[2:]) == [3, 4]  # rounds 1-2 came from the checkpoint's history
     assert _final_bytes(resumed) == uninterrupted_4_rounds

@@ -145,3 +145,19 @@ def test_a_closure_rule_is_compared_by_what_it_captured_unless_an_earlier_checkp
     with caplog.at_level("WARNING"):
         assert RoundCheckpointer(str(tmp_path / "earlier"), settings={"aggregator": two}).restore() is not None
     assert any("records no values captured by the function of aggregator" in r.getMessage() for r in caplog.records)
+
+
+def test_a_change_the_run_config_records_is_said_once_under_its_own_key(tmp_path: Path) -> None:
+    """Fedrobust's apps record the run config and the strategy's settings: a new seed differs in both."""
+    from fedrobust.checkpoint import CheckpointMismatchError
+
+    url = tmp_path / "ck"
+    first = RoundCheckpointer(str(url), settings={"run": {"seed": 0, "num_clients": 4}, "seed": 0, "keep_me": 1})
+    assert first.restore() is None
+    first.save(1, {"w": torch.zeros(4)}, ({}, {}), [], GuardState(), wait=True)
+    later = RoundCheckpointer(str(url), settings={"run": {"seed": 1, "num_clients": 4}, "seed": 1, "keep_me": 2})
+    with pytest.raises(CheckpointMismatchError) as refused:
+        later.restore()
+    message = str(refused.value)
+    assert "run.seed: 0 -> 1" in message and "; seed: 0 -> 1" not in message, message
+    assert "keep_me: 1 -> 2" in message, message  # a setting the run config does not hold is still said
