@@ -235,7 +235,7 @@ def test_a_simulation_refuses_a_resume_before_ray_starts(tmp_path: Path, monkeyp
     run_inprocess(first, Path(first.output_dir))
     changed = small_config(tmp_path / "b", **{"checkpoint.dir": ckpt, "seed": 3})
     with pytest.raises(CheckpointMismatchError, match=r"round-000002 \(round 2\) was saved with other settings: "
-                                                      r"run.seed: 0 -> 3; seed: 0 -> 3\. Resume with"):
+                                                      r"run.seed: 0 -> 3\. Resume with"):
         simulation.simulate(changed, Path(changed.output_dir))
 
 
