@@ -596,6 +596,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
                         help=f"pyproject.toml files to rewrite (default: {' '.join(APP_PYPROJECTS)})")
     parser.add_argument("--check", action="store_true", help="only report whether the files are up to date")
     args = parser.parse_args(argv)
+    if args.pyproject is None and args.check:
+        args.pyproject = []  # --check alone checks the default files rather than printing the table
     if args.pyproject is None:
         print(run_config_toml(), end="")
         return 0

@@ -297,6 +297,20 @@ def test_pyproject_run_config_is_generated_from_run_config() -> None:
         assert from_flat(flat) == RunConfig(), name
 
 
+def test_config_check_alone_checks_the_apps_files_and_names_a_stale_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fedrobust.config import _main
+
+    monkeypatch.chdir(REPO)
+    assert _main(["--check"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{name}: up to date" for name in APP_PYPROJECTS]
+    stale = tmp_path / "pyproject.toml"
+    stale.write_text((REPO / APP_PYPROJECTS[0]).read_text().replace("\"num_rounds\" = 20", "\"num_rounds\" = 21", 1))
+    assert _main(["--check", "--pyproject", str(stale)]) == 1
+    assert "run config differs from RunConfig's defaults" in capsys.readouterr().out
+
+
 def test_hydra_default_experiment_is_run_config_defaults() -> None:
     from tests.unit.test_config import _compose
 
