@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import hashlib
 import itertools
 import json
@@ -453,7 +454,7 @@ class CheckpointStore:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedrobust-checkpoint")
             future = self._executor.submit(self._write, payload)
             # Nobody may ever look at the future: make a failed background write visible in the log.
-            future.add_done_callback(_log_failure)
+            future.add_done_callback(functools.partial(_log_failure, round))
             self._pending = future
             return future
 
@@ -946,9 +947,9 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _log_failure(future: Future[str]) -> None:
+def _log_failure(round: int, future: Future[str]) -> None:
     exc = future.exception()
     if isinstance(exc, OSError):  # the disk's or the store's answer (full, gone, refused): the reason is enough
-        logger.error("background checkpoint write failed: %s", exc)
+        logger.error("background write of the checkpoint of round %d failed: %s", round, exc)
     elif exc is not None:
-        logger.error("background checkpoint write failed", exc_info=exc)
+        logger.error("background write of the checkpoint of round %d failed", round, exc_info=exc)
